@@ -1,0 +1,1 @@
+"""Test utilities: the fake accelerator and tiny random-weight pipelines."""

@@ -1,0 +1,448 @@
+"""A Python-implemented accelerator for testing placement on CPU-only machines.
+
+``install()`` registers PyTorch's PrivateUse1 backend under the name ``"fakegpu"``
+(``torch.utils.backend_registration._setup_privateuseone_for_python_backend``, PyTorch
+>= 2.6) and backs every ``fakegpu`` tensor with an ordinary CPU tensor held inside a
+wrapper subclass. Every ATen op on a ``fakegpu`` tensor unwraps, runs on the CPU and
+re-wraps, so whole diffusers/transformers models run on it with real data.
+
+What it gives a test that a CPU run cannot:
+
+* **Placement errors.** An op that mixes a ``fakegpu`` tensor with a host (CPU) tensor
+  of one or more dimensions raises ``RuntimeError("Expected all tensors to be on the
+  same device, but found at least two devices, fakegpu:0 and cpu!")``, the message CUDA
+  gives. Zero-dimensional host tensors are accepted as scalars, as on CUDA.
+* **Exact accounting.** ``stats()`` counts device bytes of live storages
+  (``allocated_bytes``; a view adds 0), their high-water mark (``peak_bytes``), bytes
+  copied host->device (``h2d_bytes``) and device->host (``d2h_bytes``), one ``transfers``
+  per tensor copy between host and device, and ``synchronizes``.
+* **Capacity.** ``set_capacity(nbytes)`` makes an allocation that would push
+  ``allocated_bytes`` above ``nbytes`` raise ``torch.OutOfMemoryError``.
+* **Pinning.** ``Tensor.pin_memory()`` / ``Tensor.is_pinned()`` work on host tensors
+  (CPU kernels for ``aten::_pin_memory`` and ``aten::is_pinned`` registered with
+  ``torch.library``). A pinned tensor is an ordinary CPU tensor whose storage is
+  remembered as pinned until the tensor returned by ``pin_memory()`` is freed.
+
+What it cannot simulate: streams, asynchronous copies, allocator caching and
+fragmentation. Those exist only on a real GPU (see ``bench/gpu_check.py``).
+
+The device type can be registered once per process; ``install()`` is idempotent and
+raises ``RuntimeError`` if PrivateUse1 was already renamed to something else.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "DEVICE_TYPE",
+    "FakeDeviceTensor",
+    "install",
+    "is_installed",
+    "reset_peak",
+    "reset_stats",
+    "set_capacity",
+    "stats",
+    "synchronize",
+]
+
+DEVICE_TYPE = "fakegpu"
+_aten = torch.ops.aten
+_DEVICE: torch.device  # set by install(); torch.device("fakegpu") needs the rename first
+
+# What ``torch.fakegpu.mem_get_info`` reports as total memory when no capacity is set.
+_UNLIMITED_TOTAL = 1 << 50
+
+_lock = threading.RLock()
+_installed = False
+_libs: list[torch.library.Library] = []  # keep registrations alive
+
+
+class _Counters:
+    """Process-wide counters of the fake device (all sizes in bytes)."""
+
+    def __init__(self) -> None:
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.transfers = 0
+        self.synchronizes = 0
+        self.capacity: int | None = None
+        # storage data pointer -> [number of live inner tensors, storage nbytes]
+        self.storages: dict[int, list[int]] = {}
+        # data pointers of pinned host storages
+        self.pinned: set[int] = set()
+
+
+_counters = _Counters()
+
+
+def _release_storage(key: int) -> None:
+    with _lock:
+        entry = _counters.storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del _counters.storages[key]
+            _counters.allocated_bytes -= entry[1]
+
+
+def _track(inner: torch.Tensor) -> None:
+    """Count ``inner``'s storage as device memory while ``inner`` is alive."""
+    if inner.__dict__.get("_fakegpu_tracked"):
+        return
+    storage = inner.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return
+    key = storage.data_ptr()
+    with _lock:
+        entry = _counters.storages.get(key)
+        if entry is None:
+            capacity = _counters.capacity
+            if capacity is not None and _counters.allocated_bytes + nbytes > capacity:
+                raise torch.OutOfMemoryError(
+                    f"fakegpu out of memory: tried to allocate {nbytes} bytes with "
+                    f"{_counters.allocated_bytes} bytes allocated and a capacity of "
+                    f"{capacity} bytes"
+                )
+            _counters.storages[key] = [1, nbytes]
+            _counters.allocated_bytes += nbytes
+            _counters.peak_bytes = max(_counters.peak_bytes, _counters.allocated_bytes)
+        else:
+            entry[0] += 1
+    inner._fakegpu_tracked = True
+    weakref.finalize(inner, _release_storage, key)
+
+
+class FakeDeviceTensor(torch.Tensor):
+    """A tensor on the ``fakegpu`` device whose data lives in a CPU tensor ``_inner``.
+
+    Users never build one directly: ``tensor.to("fakegpu")`` and factory functions with
+    ``device="fakegpu"`` create them.
+    """
+
+    _inner: torch.Tensor
+
+    @staticmethod
+    @torch.compiler.disable
+    def __new__(cls, inner: torch.Tensor) -> "FakeDeviceTensor":
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            inner.size(),
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            layout=inner.layout,
+            device=_DEVICE,
+            requires_grad=inner.requires_grad,
+        )
+        _track(inner)
+        out._inner = inner
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        return f"FakeDeviceTensor({self._inner!r}, device='{_DEVICE}')"
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        # ``set_data`` between two wrappers copies only metadata; rebind the payload too.
+        torch._C.TensorBase.data.__set__(self, new)  # type: ignore[attr-defined]
+        if isinstance(new, FakeDeviceTensor):
+            self._inner = new._inner
+
+    @classmethod
+    @torch.compiler.disable
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: D105
+        return _dispatch(func, args, kwargs or {})
+
+
+def _is_host_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor)
+
+
+def _unwrap(x: Any) -> Any:
+    return x._inner if isinstance(x, FakeDeviceTensor) else x
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _count_copy(direction: str, nbytes: int) -> None:
+    with _lock:
+        if direction == "h2d":
+            _counters.h2d_bytes += nbytes
+        else:
+            _counters.d2h_bytes += nbytes
+        _counters.transfers += 1
+
+
+def _device_kwarg_is_host(kwargs: dict) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type != DEVICE_TYPE
+
+
+@torch.compiler.disable
+def _dispatch(func, args, kwargs):
+    if func is _aten.copy_.default:
+        dst, src = args[0], args[1]
+        if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(src):
+            _count_copy("h2d", _nbytes(dst))
+        elif _is_host_tensor(dst) and isinstance(src, FakeDeviceTensor):
+            _count_copy("d2h", _nbytes(dst))
+        _unwrap(dst).copy_(_unwrap(src), **{k: v for k, v in kwargs.items()})
+        return dst
+
+    if func is _aten._to_copy.default and _device_kwarg_is_host(kwargs):
+        src = args[0]
+        kw = dict(kwargs)
+        kw["device"] = torch.device("cpu")
+        kw.pop("non_blocking", None)
+        out = func(_unwrap(src), **kw)
+        _count_copy("d2h", _nbytes(out))
+        return out
+
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    for x in flat:
+        if _is_host_tensor(x) and x.dim() > 0 and x.device.type == "cpu":
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two "
+                f"devices, {_DEVICE} and cpu! (in {func})"
+            )
+
+    host_out = _device_kwarg_is_host(kwargs)
+    inners = {id(x._inner): x for x in flat if isinstance(x, FakeDeviceTensor)}
+    u_args = pytree.tree_map(_unwrap, args)
+    u_kwargs = pytree.tree_map(_unwrap, kwargs)
+    if "device" in u_kwargs and not host_out and u_kwargs["device"] is not None:
+        u_kwargs["device"] = torch.device("cpu")
+    out = func(*u_args, **u_kwargs)
+    if host_out:
+        return out
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor):
+            same = inners.get(id(x))
+            if same is not None and same._inner is x:
+                return same
+            return FakeDeviceTensor(x)
+        return x
+
+    return pytree.tree_map(wrap, out)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@torch.compiler.disable
+def _empty_memory_format(
+    size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
+):
+    inner = torch.empty(
+        size,
+        dtype=dtype,
+        layout=layout or torch.strided,
+        memory_format=memory_format or torch.contiguous_format,
+    )
+    return FakeDeviceTensor(inner)
+
+
+@torch.compiler.disable
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    inner = torch.empty_strided(size, stride, dtype=dtype, layout=layout or torch.strided)
+    return FakeDeviceTensor(inner)
+
+
+def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
+    out = torch.empty_like(self, memory_format=torch.preserve_format)
+    out.copy_(self)
+    key = out.untyped_storage().data_ptr()
+    with _lock:
+        _counters.pinned.add(key)
+    weakref.finalize(out, _unpin, key)
+    return out
+
+
+def _unpin(key: int) -> None:
+    with _lock:
+        _counters.pinned.discard(key)
+
+
+def _is_pinned(self: torch.Tensor, device=None) -> bool:
+    if self.device.type != "cpu":
+        return False
+    with _lock:
+        return self.untyped_storage().data_ptr() in _counters.pinned
+
+
+class _BackendModule:
+    """The ``torch.fakegpu`` module: what PyTorch expects of a device backend module."""
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        return None
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        synchronize()
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return stats()["allocated_bytes"]
+
+    @staticmethod
+    def max_memory_allocated(device: Any = None) -> int:
+        return stats()["peak_bytes"]
+
+    @staticmethod
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        s = stats()
+        total = s["capacity"] if s["capacity"] >= 0 else _UNLIMITED_TOTAL
+        return max(total - s["allocated_bytes"], 0), total
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        reset_peak()
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def install() -> torch.device:
+    """Register the ``fakegpu`` device (idempotent) and return ``torch.device("fakegpu:0")``.
+
+    Raises:
+        RuntimeError: PrivateUse1 is already registered under another name in this
+            process (PyTorch allows one rename per process).
+    """
+    global _installed, _DEVICE
+    with _lock:
+        if _installed:
+            return _DEVICE
+        current = torch._C._get_privateuse1_backend_name()
+        if current not in ("privateuseone", DEVICE_TYPE):
+            raise RuntimeError(
+                f"PrivateUse1 is already registered as {current!r}; the fake accelerator "
+                f"needs it as {DEVICE_TYPE!r} and PyTorch allows one name per process"
+            )
+        from torch.utils.backend_registration import (
+            _setup_privateuseone_for_python_backend,
+        )
+
+        if current != DEVICE_TYPE:
+            _setup_privateuseone_for_python_backend(
+                DEVICE_TYPE, backend_module=_BackendModule()
+            )
+        _DEVICE = torch.device(DEVICE_TYPE, 0)
+        dev_lib = torch.library.Library("aten", "IMPL", "PrivateUse1")
+        dev_lib.impl("empty.memory_format", _empty_memory_format)
+        dev_lib.impl("empty_strided", _empty_strided)
+        cpu_lib = torch.library.Library("aten", "IMPL", "CPU")
+        cpu_lib.impl("_pin_memory", _pin_memory)
+        cpu_lib.impl("is_pinned", _is_pinned)
+        _libs.extend([dev_lib, cpu_lib])
+        _installed = True
+        return _DEVICE
+
+
+def is_installed() -> bool:
+    """Whether ``install()`` has run in this process."""
+    return _installed
+
+
+def stats() -> dict[str, int]:
+    """Counters of the fake device.
+
+    Returns:
+        ``allocated_bytes`` (bytes of live device storages), ``peak_bytes`` (maximum of
+        ``allocated_bytes`` since the last ``reset_stats``), ``h2d_bytes`` and ``d2h_bytes``
+        (bytes copied host->device and device->host), ``transfers`` (tensor copies between
+        host and device), ``synchronizes`` (calls to ``synchronize``), ``capacity`` (bytes,
+        or -1 for unlimited).
+    """
+    with _lock:
+        return {
+            "allocated_bytes": _counters.allocated_bytes,
+            "peak_bytes": _counters.peak_bytes,
+            "h2d_bytes": _counters.h2d_bytes,
+            "d2h_bytes": _counters.d2h_bytes,
+            "transfers": _counters.transfers,
+            "synchronizes": _counters.synchronizes,
+            "capacity": -1 if _counters.capacity is None else _counters.capacity,
+        }
+
+
+def reset_stats() -> None:
+    """Zero the transfer and synchronize counters; ``peak_bytes`` := ``allocated_bytes``."""
+    with _lock:
+        _counters.peak_bytes = _counters.allocated_bytes
+        _counters.h2d_bytes = 0
+        _counters.d2h_bytes = 0
+        _counters.transfers = 0
+        _counters.synchronizes = 0
+
+
+def reset_peak() -> None:
+    """Make ``peak_bytes`` equal to ``allocated_bytes``; other counters are kept."""
+    with _lock:
+        _counters.peak_bytes = _counters.allocated_bytes
+
+
+def set_capacity(nbytes: int | None) -> None:
+    """Limit device memory to ``nbytes`` bytes (``None``: unlimited).
+
+    An allocation that would take ``allocated_bytes`` above the capacity raises
+    ``torch.OutOfMemoryError``. Already allocated memory is not affected.
+
+    Raises:
+        TypeError: ``nbytes`` is not an int or None.
+        ValueError: ``nbytes`` is negative.
+    """
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool)):
+        raise TypeError(f"capacity must be an int number of bytes or None, got {nbytes!r}")
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"capacity must be >= 0 bytes, got {nbytes}")
+    with _lock:
+        _counters.capacity = nbytes
+
+
+def synchronize() -> None:
+    """Count one device synchronize (all fake-device work is already complete)."""
+    with _lock:
+        _counters.synchronizes += 1
