@@ -49,15 +49,16 @@ class SequentialOffloadHook:
         self._non_blocking = component.mover.pin
 
     def activate(self) -> bool:
-        """Evict the exclusion set, then load the component. Returns True if anything moved."""
+        """Evict the exclusion set, then load the component (which synchronizes).
+
+        Returns True if any tensor moved. Parameterless components move nothing.
+        """
         moved = False
         for other in self.exclusion:
-            if other.resident and other.selected:
-                other.evict()
-                moved = True
+            if other.resident:
+                moved = other.evict() or moved
         if not self.component.resident:
-            self.component.load()
-            moved = True
+            moved = self.component.load() or moved
         return moved
 
     def _to_device(self, value: Any, moved: list[bool]) -> Any:
@@ -79,9 +80,11 @@ class SequentialOffloadHook:
     ) -> tuple[tuple, dict]:
         """Make the component resident and put tensor args/kwargs on the device.
 
-        Synchronizes the platform only when this call moved weights or inputs.
+        Weight loads synchronize inside ``ComponentWeights.load``; moved inputs are
+        synchronized here. Nothing moved: no synchronize.
         """
-        moved = [self.activate()]
+        self.activate()
+        moved = [False]
         if args:
             args = tuple(self._to_device(a, moved) for a in args)
         if kwargs:
@@ -172,8 +175,7 @@ def offload_component(module: nn.Module) -> Iterator[nn.Module]:
             f"offload_component: {type(module).__name__} has no offload hook; call "
             "ModelLevelOffloadBackend(...).enable(pipeline) on its pipeline first"
         )
-    if hook.activate():
-        hook._platform.synchronize()
+    hook.activate()
     try:
         yield module
     finally:

@@ -332,9 +332,11 @@ class ComponentWeights:
         return moved
 
     def evict(self) -> int:
-        """Point every evictable tensor back at its host copy; return D2H bytes.
+        """Point every evictable tensor back at its host copy; return the tensors moved.
 
-        Unselected components never evict. Tensors shared with resident components stay.
+        Unselected components never evict; tensors shared with resident components stay.
+        Unmodified tensors cost no copy; write-backs of modified ones are synchronized
+        before this returns.
         """
         if not self.selected or not self.resident:
             return 0
@@ -349,7 +351,7 @@ class ComponentWeights:
             self.mover.stats.evictions += 1
             self.mover.stats.transfer_seconds += seconds
             self._notify("evict", seconds)
-        return written
+        return len(on_device)
 
     def __repr__(self) -> str:
         state = "resident" if self.resident else "host"
