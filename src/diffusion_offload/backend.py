@@ -85,16 +85,6 @@ class ModelLevelOffloadBackend:
         """Whether ``enable`` has completed and ``disable`` has not."""
         return self._enabled
 
-    def selects(self, component: Component) -> bool:
-        """Whether ``component`` is eligible to move to the host under this config."""
-        if component.role == "dit":
-            return self.config.selects("dit")
-        if component.role == "text_encoder":
-            return self.config.selects("text_encoder")
-        if component.role == "encoder":
-            return not self.config.explicit  # legacy enable_cpu_offload: every encoder
-        return False
-
     def enable(self, pipeline: Any) -> None:
         """Install model-level offload on ``pipeline`` (idempotent).
 
@@ -197,7 +187,7 @@ class ModelLevelOffloadBackend:
             )
 
     def _build(self, components: list[Component]) -> dict[str, ComponentWeights]:
-        selected = {c.name: self.selects(c) for c in components}
+        selected = {c.name: self.config.offloads_role(c.role) for c in components}
         owners: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
         per_comp: dict[str, list[torch.Tensor]] = {}

@@ -85,8 +85,24 @@ class DiffusionOffloadConfig:
         """Whether ``component`` (``"dit"`` or ``"text_encoder"``) is selected."""
         return component in self.components
 
+    def offloads_role(self, role: str) -> bool:
+        """Whether a component of ``role`` may move to the host under this config.
+
+        ``dit`` and ``text_encoder`` follow the selection; other encoders (``encoder``:
+        image encoders, MLLMs) only under the legacy ``enable_cpu_offload``; ``vae`` and
+        ``resident`` never.
+        """
+        if role in COMPONENTS:
+            return self.selects(role)
+        return role == "encoder" and not self.explicit
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict that ``parse_diffusion_offload_config`` maps back to an equal config."""
+        """A JSON-ready dict that ``from_json(json.dumps(...))`` maps back to an equal config.
+
+        For an explicit config ``parse_diffusion_offload_config`` accepts it too; the legacy
+        config (``explicit=False``) adds ``"enable_cpu_offload": true``, which only
+        ``from_json`` understands.
+        """
         out: dict[str, Any] = {
             "mode": self.mode,
             "components": list(self.components),
@@ -110,10 +126,7 @@ class DiffusionOffloadConfig:
             ValueError: invalid JSON or an invalid config.
             TypeError: a field of the wrong type.
         """
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"diffusion_offload_config: invalid JSON ({exc})") from None
+        value = _loads(text)
         legacy = False
         if isinstance(value, dict) and "enable_cpu_offload" in value:
             value = dict(value)
@@ -130,6 +143,23 @@ class DiffusionOffloadConfig:
 
 def _type_name(value: Any) -> str:
     return type(value).__name__
+
+
+def _loads(text: str) -> Any:
+    """Decode config JSON; a JSON string literal is refused, never decoded a second time."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"diffusion_offload_config: invalid JSON ({exc}) in {text!r}; expected a JSON "
+            f"object with keys {list(_TOP_KEYS)}"
+        ) from None
+    if isinstance(value, str):
+        raise TypeError(
+            f"diffusion_offload_config JSON must be an object with keys {list(_TOP_KEYS)}, "
+            f"got the JSON string {text!r}"
+        )
+    return value
 
 
 def _parse_components(value: Any) -> tuple[str, ...]:
@@ -153,7 +183,10 @@ def _parse_components(value: Any) -> tuple[str, ...]:
                 f"{list(COMPONENTS)} (exact, case-sensitive)"
             )
         if item in seen:
-            raise ValueError(f"components entry {item!r} is repeated; list each name once")
+            raise ValueError(
+                f"components entry {item!r} is repeated; list each name from "
+                f"{list(COMPONENTS)} once"
+            )
         seen.append(item)
     return tuple(seen)
 
@@ -176,8 +209,8 @@ def _parse_layer_options(
     for comp, opts in value.items():
         if not isinstance(comp, str):
             raise TypeError(
-                f"layer_options keys must be component names (str), got {comp!r} "
-                f"({_type_name(comp)})"
+                f"layer_options keys must be component names (str) from {list(components)}, "
+                f"got {comp!r} ({_type_name(comp)})"
             )
         if comp not in components:
             raise ValueError(
@@ -270,10 +303,7 @@ def parse_diffusion_offload_config(
             return None
         return DiffusionOffloadConfig("module", COMPONENTS, (), True, explicit=False)
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"diffusion_offload_config: invalid JSON ({exc})") from None
+        value = _loads(value)
         if value is None:
             raise ValueError(
                 "diffusion_offload_config JSON must be an object with keys "
