@@ -1,0 +1,253 @@
+"""The ``diffusion-offload`` command line: ``generate``, ``serve`` and ``make-tiny``.
+
+Every bad input (missing directory, unknown hub id offline, not a diffusers pipeline,
+unsupported pipeline class, invalid JSON or config, unwritable or wrongly named output,
+a config that does not fit) prints one line ``diffusion-offload: error: ...`` to stderr
+and exits with status 2, writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["default_model_dir", "main"]
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        print(f"diffusion-offload: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def default_model_dir() -> Path:
+    """Where the embedded tiny Wan2.2 model lives: ``$DIFFUSION_OFFLOAD_CACHE`` or
+    ``$XDG_CACHE_HOME/diffusion_offload`` (default ``~/.cache/diffusion_offload``), ``/tiny-wan2.2``."""
+    root = os.environ.get("DIFFUSION_OFFLOAD_CACHE")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "diffusion_offload")
+    return Path(root) / "tiny-wan2.2"
+
+
+def _ensure_default_model() -> Path:
+    path = default_model_dir()
+    if not (path / "model_index.json").is_file():
+        from .testing import tiny_pipelines
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"building the embedded tiny Wan2.2 model in {path} ...", file=sys.stderr)
+        tiny_pipelines.save("wan2.2", path)
+    return path
+
+
+def _read_config_arg(text: str | None) -> Any:
+    if text is None:
+        return None
+    if text.startswith("@"):
+        file = Path(text[1:])
+        if not file.is_file():
+            raise CliError(f"--diffusion-offload-config: file {str(file)!r} does not exist")
+        text = file.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--diffusion-offload-config is not valid JSON: {exc}") from None
+
+
+def parse_config_args(args: argparse.Namespace):
+    """The validated config from ``--diffusion-offload-config`` / ``--enable-cpu-offload``."""
+    from .config import parse_diffusion_offload_config
+
+    raw = _read_config_arg(args.diffusion_offload_config)
+    try:
+        return parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"--diffusion-offload-config: {exc}") from None
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--diffusion-offload-config", metavar="JSON_OR_@FILE",
+                   help='offload config, e.g. \'{"mode":"module","components":["dit","text_encoder"]}\'')
+    p.add_argument("--enable-cpu-offload", action="store_true",
+                   help="legacy: model-level offload of every DiT and encoder")
+    p.add_argument("--device", help="cuda[:N], xpu, npu, mps, fakegpu (the test accelerator) or cpu; default: auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="diffusion-offload", description="Model-level offload for diffusion pipelines.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate an image or a video")
+    gen.add_argument("--model", help="pipeline directory or hub id (default: the embedded tiny Wan2.2)")
+    gen.add_argument("--prompt", default="a red fox running through fresh snow")
+    gen.add_argument("--negative-prompt")
+    gen.add_argument("--output", help="output file: .png for images, .mp4 or .gif for videos")
+    _add_engine_args(gen)
+    for name in ("--steps", "--seed", "--height", "--width", "--num-frames", "--fps"):
+        gen.add_argument(name, type=int)
+    gen.add_argument("--report", metavar="FILE.json", help="write a JSON report")
+    gen.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open in Perfetto)")
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-style HTTP API")
+    srv.add_argument("model", help="pipeline directory or hub id")
+    srv.add_argument("--omni", action="store_true", help="accepted for vLLM-Omni command-line compatibility")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    _add_engine_args(srv)
+    srv.add_argument("--api-key")
+    srv.add_argument("--max-queue", type=int, default=32)
+    srv.add_argument("--max-pixels", type=int, default=1024 * 1024)
+    srv.add_argument("--max-frames", type=int, default=129)
+    srv.add_argument("--max-steps", type=int, default=100)
+    srv.add_argument("--max-body-bytes", type=int, default=1048576)
+    srv.add_argument("--shutdown-grace", type=float, default=30.0)
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny random-weight pipeline in diffusers format")
+    tiny.add_argument("kind", help="wan2.1, wan2.2, flux, sd3, qwen-image")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _check_writable(path: str | None, flag: str) -> Path | None:
+    if path is None:
+        return None
+    out = Path(path)
+    if out.suffix.lower() != ".json":
+        raise CliError(f"{flag} {path!r} must end in .json")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise CliError(f"{flag} {path!r}: folder {str(folder)!r} does not exist or is not writable")
+    return out
+
+
+def _summary(output: Any, report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="diffusion-offload", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for stage, seconds in output.timings.items():
+        table.add_row(f"time {stage}", f"{seconds:.3f} s")
+    table.add_row("peak device memory", f"{output.peak_device_memory_bytes:,} B")
+    stats = output.offload_stats
+    table.add_row("host->device weights", f"{int(stats.get('h2d_bytes', 0)):,} B")
+    table.add_row("device->host weights", f"{int(stats.get('d2h_bytes', 0)):,} B")
+    table.add_row("loads / evictions", f"{int(stats.get('loads', 0))} / {int(stats.get('evictions', 0))}")
+    table.add_row("output", str(report["output"]))
+    Console(stderr=True).print(table)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine import FitError, ModelError, Omni, SamplingParams
+    from .engine.media import check_output_path, encode_png, encode_video, write_atomic
+    from .engine.model_files import inspect_model, resolve_model
+
+    config = parse_config_args(args)
+    report_path = _check_writable(args.report, "--report")
+    trace_path = _check_writable(args.trace, "--trace")
+    embedded = args.model is None
+    try:
+        model_dir = _ensure_default_model() if embedded else resolve_model(args.model)
+        info = inspect_model(model_dir)
+    except ModelError as exc:
+        raise CliError(str(exc)) from None
+    output = args.output or ("output.mp4" if info.is_video else "output.png")
+    try:
+        out_path = check_output_path(output, info.is_video)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    values = {
+        "height": args.height, "width": args.width, "num_frames": args.num_frames,
+        "num_inference_steps": args.steps, "seed": args.seed, "fps": args.fps,
+    }
+    if embedded:  # the tiny model's fast defaults
+        from .testing.tiny_pipelines import default_call_kwargs
+
+        for key, value in default_call_kwargs("wan2.2").items():
+            if key in values and values[key] is None:
+                values[key] = value
+    if not info.is_video and args.num_frames is not None:
+        raise CliError(f"--num-frames: {info.pipeline_class} makes images, not videos")
+    try:
+        params = SamplingParams(**values)
+        engine = Omni(
+            str(model_dir), config, device=args.device, dtype=args.dtype, trace=trace_path is not None
+        )
+    except (FitError, ModelError, NotImplementedError) as exc:
+        raise CliError(str(exc)) from None
+    except (TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    with engine:
+        prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt} if args.negative_prompt else args.prompt
+        result = engine.generate(prompt, params)[0]
+        fps = params.fps or 16
+        if info.is_video:
+            data = encode_video(result.frames[0], fps, out_path.suffix.lower())
+        else:
+            data = encode_png(result.images[0])
+        write_atomic(out_path, data)
+        report = {
+            "model": args.model or str(model_dir),
+            "pipeline_class": info.pipeline_class,
+            "device": str(engine.device),
+            "config": config.to_dict() if config is not None else None,
+            "timings": result.timings,
+            "peak_device_memory_bytes": result.peak_device_memory_bytes,
+            "offload_stats": result.offload_stats,
+            "output": str(out_path),
+        }
+        if report_path is not None:
+            write_atomic(report_path, json.dumps(report, indent=2).encode())
+        if trace_path is not None:
+            write_atomic(trace_path, json.dumps(engine.trace_dict()).encode())
+    _summary(result, report)
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from .testing import tiny_pipelines
+
+    if args.kind not in tiny_pipelines.KINDS:
+        raise CliError(f"kind {args.kind!r} is not allowed; allowed: {list(tiny_pipelines.KINDS)}")
+    path = tiny_pipelines.save(args.kind, args.dir, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server.app import serve
+
+    return serve(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``diffusion-offload``; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "make-tiny":
+            return _make_tiny(args)
+        return _serve(args)
+    except CliError as exc:
+        print(f"diffusion-offload: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

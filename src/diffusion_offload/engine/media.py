@@ -1,0 +1,98 @@
+"""Writing images and videos to files (PIL for PNG, imageio + ffmpeg for MP4, imageio for GIF).
+
+Files are written atomically: to a temporary file beside the target, then renamed, so
+a failure never leaves a half-written output.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "check_output_path", "encode_png", "encode_video", "write_atomic"]
+
+IMAGE_EXTENSIONS = (".png",)
+VIDEO_EXTENSIONS = (".mp4", ".gif")
+
+
+def check_output_path(path: str | os.PathLike, is_video: bool) -> Path:
+    """Validate an output path before any work is done.
+
+    Raises:
+        ValueError: the extension is unknown or does not fit the output kind (``.png``
+            for images; ``.mp4`` or ``.gif`` for videos), or the folder does not exist
+            or is not writable.
+    """
+    out = Path(path)
+    ext = out.suffix.lower()
+    allowed = VIDEO_EXTENSIONS if is_video else IMAGE_EXTENSIONS
+    if ext not in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS:
+        raise ValueError(
+            f"output {str(out)!r} has unknown extension {ext or '(none)'!r}; allowed: "
+            f"{list(allowed)} for this {'video' if is_video else 'image'} model"
+        )
+    if ext not in allowed:
+        kind = "a video" if is_video else "an image"
+        raise ValueError(f"output {str(out)!r}: this model produces {kind}; use one of {list(allowed)}")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"output {str(out)!r}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"output {str(out)!r} is not writable")
+    return out
+
+
+def encode_png(image: Image.Image) -> bytes:
+    """PNG bytes of ``image``."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def encode_video(frames: Sequence[Image.Image], fps: int, ext: str = ".mp4") -> bytes:
+    """Encode PIL frames as MP4 (H.264, yuv420p, via imageio-ffmpeg) or GIF; returns bytes.
+
+    Frame sizes are padded by ffmpeg's macro-block rule only if needed: tiny sizes are
+    kept exact by ``macro_block_size=1``.
+    """
+    arrays = [np.asarray(f.convert("RGB")) for f in frames]
+    import imageio.v2 as imageio
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"video{ext}"
+        if ext == ".gif":
+            imageio.mimsave(path, arrays, duration=1000.0 / fps, loop=0)
+        else:
+            writer = imageio.get_writer(
+                path, fps=fps, codec="libx264", macro_block_size=1,
+                ffmpeg_log_level="error", output_params=["-pix_fmt", "yuv420p"],
+            )
+            try:
+                for a in arrays:
+                    writer.append_data(a)
+            finally:
+                writer.close()
+        return path.read_bytes()
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,405 @@
+"""``Omni``: the offline engine. Load a diffusers pipeline to the host, enable offload, generate."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..backend import ModelLevelOffloadBackend
+from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
+from ..discovery import ROLES
+from ..platform import Platform, normalize_device, platform_for
+from ..transfer import TransferStats
+from .fit import Footprint, check_fit
+from .model_files import ModelError, ModelInfo, inspect_model, resolve_model
+from .params import GenerationOutput, SamplingParams
+from .trace import TraceRecorder
+
+__all__ = ["Omni", "pick_device", "parse_dtype"]
+
+logger = logging.getLogger("diffusion_offload")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_STAGES = ("text_encoding", "denoising", "decoding")
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype:
+    """``None``/``"auto"`` -> ``"auto"``; ``"float32"``/``"float16"``/``"bfloat16"`` or a torch dtype.
+
+    Raises:
+        ValueError: any other value (the message lists the allowed ones).
+    """
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r} is not allowed; allowed values: ['auto', {', '.join(map(repr, _DTYPES))}]")
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on.
+
+    ``None`` picks the first available of cuda, xpu, npu, mps, then the fake accelerator
+    if installed, else ``cpu`` (logged once: offload is a no-op there). ``"fakegpu"``
+    installs the fake accelerator.
+
+    Raises:
+        ValueError: an unknown device string.
+    """
+    if device is not None:
+        if str(device).startswith("fakegpu"):
+            from ..testing import fake_accelerator
+
+            fake_accelerator.install()
+        try:
+            dev = normalize_device(device)
+        except RuntimeError:
+            raise ValueError(
+                f"device={str(device)!r} is not a device torch knows; allowed: cuda[:N], xpu, "
+                "npu, mps, fakegpu, cpu"
+            ) from None
+        platform_for(dev)  # raises ValueError for unsupported types
+        return dev
+    for kind in ("cuda", "xpu", "npu"):
+        module = getattr(torch, kind, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            return normalize_device(kind)
+    if torch.backends.mps.is_available():
+        return torch.device("mps", 0)
+    from ..testing import fake_accelerator
+
+    if fake_accelerator.is_installed():
+        return normalize_device("fakegpu")
+    logger.info("no accelerator found: running on the CPU, where offload is a no-op")
+    return torch.device("cpu")
+
+
+class _StageTimer:
+    """Stage boundaries from torch forward hooks on the encoders and DiTs.
+
+    ``text_encoding`` runs from the request start to the first DiT forward, ``denoising``
+    from there to the end of the last DiT forward, ``decoding`` from there to the end.
+    """
+
+    def __init__(self, modules: Mapping[str, tuple[torch.nn.Module, str]]) -> None:
+        self.handles = []
+        for module, role in modules.values():
+            if role == "dit":
+                self.handles.append(module.register_forward_pre_hook(self._dit_start))
+                self.handles.append(module.register_forward_hook(self._dit_end, always_call=True))
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.first_dit: float | None = None
+        self.last_dit: float | None = None
+
+    def _dit_start(self, module: torch.nn.Module, args: Any) -> None:
+        if self.first_dit is None:
+            self.first_dit = time.perf_counter()
+
+    def _dit_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.last_dit = time.perf_counter()
+
+    @property
+    def stage(self) -> str:
+        if self.first_dit is None:
+            return "text_encoding"
+        return "denoising" if self.last_dit is None or self.last_dit < self.first_dit else "decoding"
+
+    def spans(self, end: float) -> dict[str, tuple[float, float]]:
+        first = self.first_dit if self.first_dit is not None else end
+        last = self.last_dit if self.last_dit is not None else first
+        return {
+            "text_encoding": (self.start, first),
+            "denoising": (first, last),
+            "decoding": (last, end),
+        }
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _normalize_prompts(prompts: Any) -> list[tuple[str, str | None]]:
+    items = prompts if isinstance(prompts, list) else [prompts]
+    if not items:
+        raise ValueError("prompts must not be empty")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, None))
+        elif isinstance(item, Mapping):
+            unknown = set(item) - {"prompt", "negative_prompt"}
+            if unknown:
+                raise ValueError(
+                    f"prompt dict has unknown keys {sorted(unknown)}; allowed: ['prompt', 'negative_prompt']"
+                )
+            prompt, negative = item.get("prompt"), item.get("negative_prompt")
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a str, got {prompt!r}")
+            if negative is not None and not isinstance(negative, str):
+                raise TypeError(f"negative_prompt must be a str or None, got {negative!r}")
+            out.append((prompt, negative))
+        else:
+            raise TypeError(
+                f"prompts must be a str, a dict with 'prompt' and 'negative_prompt', or a list of "
+                f"them; got {item!r} ({type(item).__name__})"
+            )
+    return out
+
+
+class Omni:
+    """The offline engine.
+
+    Args:
+        model: a diffusers-format pipeline directory or a hub id (``org/name``; from the
+            local cache when ``HF_HUB_OFFLINE=1``).
+        diffusion_offload_config: the offload config (mapping, JSON text or parsed), or
+            None for no offload (everything on the device).
+        enable_cpu_offload: the legacy switch (model-level offload of every DiT and encoder).
+        device: the accelerator; None picks one (see ``pick_device``).
+        dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float16"``, ``"bfloat16"``.
+        component_roles: role overrides (component name -> role).
+        trace: record a residency/stage trace (``trace_dict()``, ``write_trace()``).
+        progress: show the pipeline's progress bar over denoising steps.
+
+    Validation order: config, dtype, device, model files, fit check; only then are
+    weights read (to the host) and offload enabled.
+
+    Raises:
+        TypeError, ValueError: invalid config, dtype, device or component_roles.
+        ModelError: the model cannot be found or is not a supported diffusers pipeline.
+        FitError: the device cannot hold the config's resting footprint.
+        NotImplementedError: ``mode="layer"``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        diffusion_offload_config: DiffusionOffloadConfig | Mapping[str, Any] | str | None = None,
+        enable_cpu_offload: bool = False,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        component_roles: Mapping[str, str] | None = None,
+        *,
+        trace: bool = False,
+        progress: bool = True,
+    ) -> None:
+        start = time.perf_counter()
+        self.config = parse_diffusion_offload_config(
+            diffusion_offload_config, enable_cpu_offload=enable_cpu_offload
+        )
+        if self.config is not None and self.config.mode != "module":
+            raise NotImplementedError(f"mode={self.config.mode!r} has no backend yet; use mode='module'")
+        dtype_choice = parse_dtype(dtype)
+        self.device = pick_device(device)
+        self.platform: Platform = platform_for(self.device)
+        self.model = str(model)
+        self.info: ModelInfo = inspect_model(resolve_model(model))
+        self.component_roles = self._check_roles(component_roles)
+        self.dtype = self._resolve_dtype(dtype_choice)
+        self.footprint: Footprint | None = None
+        if not self.platform.is_noop:
+            free = self.platform.memory_stats().free_bytes
+            self.footprint = check_fit(
+                self.info, self.config, torch.tensor([], dtype=self.dtype).element_size(), free,
+                self.platform.supports_pinning, self.component_roles,
+            )
+        elif self.config is not None:
+            logger.info("device is cpu: the offload config is accepted but offload is a no-op")
+
+        from diffusers import DiffusionPipeline
+
+        self.pipeline = DiffusionPipeline.from_pretrained(self.info.path, dtype=self.dtype)
+        self.pipeline.set_progress_bar_config(disable=not progress)
+        self.backend: ModelLevelOffloadBackend | None = None
+        if self.config is not None and not self.platform.is_noop:
+            self.backend = ModelLevelOffloadBackend(
+                self.config, self.device, component_roles=self.component_roles
+            )
+            self.backend.enable(self.pipeline)
+        elif not self.platform.is_noop:
+            self.pipeline.to(self.device)
+        from ..discovery import discover_components
+
+        roles = {c.name: (c.module, c.role) for c in discover_components(self.pipeline, self.component_roles)}
+        self._timer = _StageTimer(roles)
+        self.tracer: TraceRecorder | None = None
+        if trace:
+            self.tracer = TraceRecorder()
+            if self.backend is not None:
+                for weights in self.backend.components.values():
+                    if weights.selected:
+                        self.tracer.watch(weights, weights.resident)
+        self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
+        self.load_seconds = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_roles(self, roles: Mapping[str, str] | None) -> dict[str, str] | None:
+        if roles is None:
+            return None
+        if not isinstance(roles, Mapping):
+            raise TypeError(f"component_roles must be a mapping name -> role, got {roles!r}")
+        for name, role in roles.items():
+            if name not in self.info.components:
+                raise ValueError(
+                    f"component_roles names {name!r}, which is not a component of "
+                    f"{self.info.pipeline_class}; components: {sorted(self.info.components)}"
+                )
+            if role not in ROLES:
+                raise ValueError(f"component_roles[{name!r}]={role!r} is not allowed; allowed roles: {list(ROLES)}")
+        return dict(roles)
+
+    def _resolve_dtype(self, choice: str | torch.dtype) -> torch.dtype:
+        if isinstance(choice, torch.dtype):
+            return choice
+        stored = self.info.checkpoint_dtype()
+        return _SAFETENSORS_DTYPES.get(stored or "F32", torch.float32)
+
+    @property
+    def is_video(self) -> bool:
+        """True for text-to-video pipelines (outputs carry ``frames``)."""
+        return self.info.is_video
+
+    @property
+    def stats(self) -> TransferStats:
+        """The engine's cumulative weight-move counters (zeros without offload)."""
+        return self.backend.stats if self.backend is not None else TransferStats()
+
+    def _call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        mapping = {
+            "height": params.height,
+            "width": params.width,
+            "num_frames": params.num_frames,
+            "num_inference_steps": params.num_inference_steps,
+            "guidance_scale": params.guidance_scale,
+            "guidance_scale_2": params.guidance_scale_2,
+        }
+        kwargs = {}
+        for key, value in mapping.items():
+            if value is None:
+                continue
+            if key not in self._call_params:
+                raise ValueError(
+                    f"SamplingParams.{key}={value!r} is not supported by "
+                    f"{self.info.pipeline_class} (it takes no {key!r})"
+                )
+            kwargs[key] = value
+        return kwargs
+
+    # ------------------------------------------------------------------ API
+
+    def generate(
+        self,
+        prompts: str | Mapping[str, str] | Sequence[str | Mapping[str, str]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate one output per prompt.
+
+        Args:
+            prompts: a prompt string, a dict with ``prompt`` and ``negative_prompt``, or
+                a list of them.
+            sampling_params: ``SamplingParams``; None fields take the pipeline's defaults.
+
+        Returns:
+            One ``GenerationOutput`` per prompt, in order.
+
+        Raises:
+            TypeError, ValueError: malformed prompts or unsupported parameters.
+            torch.OutOfMemoryError: the device ran out of memory; the message names
+                the stage and the component being loaded.
+        """
+        items = _normalize_prompts(prompts)
+        params = sampling_params or SamplingParams()
+        kwargs = self._call_kwargs(params)
+        if any(neg is not None for _, neg in items) and "negative_prompt" not in self._call_params:
+            raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
+        return [self._run(prompt, negative, params, kwargs) for prompt, negative in items]
+
+    def _run(
+        self, prompt: str, negative: str | None, params: SamplingParams, kwargs: dict[str, Any]
+    ) -> GenerationOutput:
+        n = params.num_outputs_per_prompt or 1
+        seed = params.seed or 0
+        self.platform.reset_peak_memory()
+        before = self.stats.snapshot()
+        images: list = []
+        videos: list = []
+        timings = {stage: 0.0 for stage in _STAGES}
+        request_start = time.perf_counter()
+        for i in range(n):
+            call = dict(kwargs)
+            if negative is not None:
+                call["negative_prompt"] = negative
+            generator = torch.Generator("cpu").manual_seed(seed + i)
+            self._timer.reset()
+            try:
+                result = self.pipeline(prompt=prompt, generator=generator, output_type="pil", **call)
+            except torch.OutOfMemoryError as exc:
+                raise torch.OutOfMemoryError(
+                    f"device out of memory during stage {self._timer.stage!r}: {exc}"
+                ) from exc
+            end = time.perf_counter()
+            for stage, (s, e) in self._timer.spans(end).items():
+                timings[stage] += e - s
+                if self.tracer is not None:
+                    self.tracer.span(stage, "stages", s, e, prompt=prompt, output=i)
+            if self.is_video:
+                videos.append(list(result.frames[0]))
+            else:
+                images.append(result.images[0])
+        total = time.perf_counter() - request_start
+        timings = {"load": self.load_seconds, **timings, "total": total}
+        peak = self.platform.memory_stats().peak_bytes
+        return GenerationOutput(
+            prompt=prompt,
+            images=None if self.is_video else images,
+            frames=videos if self.is_video else None,
+            timings=timings,
+            peak_device_memory_bytes=peak,
+            offload_stats=self.stats.since(before).as_dict(),
+            negative_prompt=negative,
+        )
+
+    def trace_dict(self) -> dict[str, Any]:
+        """The Chrome trace of everything recorded so far.
+
+        Raises:
+            RuntimeError: the engine was built with ``trace=False``.
+        """
+        if self.tracer is None:
+            raise RuntimeError("tracing is off: build Omni(..., trace=True)")
+        return self.tracer.to_dict()
+
+    def close(self) -> None:
+        """Disable offload, drop the pipeline and empty the device cache (idempotent)."""
+        if getattr(self, "pipeline", None) is None:
+            return
+        if self.backend is not None:
+            self.backend.disable()
+        self._timer.remove()
+        self.pipeline = None
+        gc.collect()
+        self.platform.empty_cache()
+
+    def __enter__(self) -> "Omni":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+

@@ -1,0 +1,83 @@
+"""Request parameters and results of the ``Omni`` engine."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from PIL import Image
+
+__all__ = ["GenerationOutput", "SamplingParams"]
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one ``Omni.generate`` call; ``None`` takes the pipeline's default.
+
+    Attributes:
+        height, width: output size in pixels.
+        num_frames: frames per video (video pipelines only).
+        fps: frames per second when a video is written to a file (default 16).
+        num_inference_steps: denoising steps.
+        guidance_scale: classifier-free guidance scale.
+        guidance_scale_2: guidance of the low-noise expert (Wan2.2 two-expert pipelines).
+        seed: seed of the CPU generator; output ``i`` of a prompt uses ``seed + i``
+            (default 0, so the same request gives the same output).
+        num_outputs_per_prompt: images or videos per prompt (default 1).
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
+    seed: int | None = None
+    num_outputs_per_prompt: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.name in ("guidance_scale", "guidance_scale_2"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"SamplingParams.{f.name} must be a number, got {value!r}")
+                if value < 0:
+                    raise ValueError(f"SamplingParams.{f.name} must be >= 0, got {value!r}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SamplingParams.{f.name} must be an int, got {value!r}")
+            minimum = 0 if f.name == "seed" else 1
+            if value < minimum:
+                raise ValueError(f"SamplingParams.{f.name} must be >= {minimum}, got {value!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The set fields as a dict."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class GenerationOutput:
+    """The result for one prompt.
+
+    Attributes:
+        prompt: the prompt text.
+        images: PIL images (image pipelines), else None.
+        frames: videos, each a list of PIL frames (video pipelines), else None.
+        timings: seconds: ``load`` (the engine's load time), ``text_encoding``,
+            ``denoising``, ``decoding``, ``total`` (this prompt's request).
+        peak_device_memory_bytes: peak device bytes during this request (reset per request).
+        offload_stats: weight moves of this request from the engine's own counters:
+            ``h2d_bytes``, ``d2h_bytes``, ``loads``, ``evictions``, ``transfer_seconds``.
+        negative_prompt: the negative prompt, if any.
+    """
+
+    prompt: str
+    images: list[Image.Image] | None = None
+    frames: list[list[Image.Image]] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_device_memory_bytes: int = 0
+    offload_stats: dict[str, float] = field(default_factory=dict)
+    negative_prompt: str | None = None
