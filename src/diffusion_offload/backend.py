@@ -117,7 +117,11 @@ class ModelLevelOffloadBackend:
             for comp in components:
                 if comp.role not in _STAGE_ROLES:
                     continue
-                hook = SequentialOffloadHook(weights[comp.name], self._exclusion(comp, weights))
+                hook = SequentialOffloadHook(
+                    weights[comp.name],
+                    self._exclusion(comp, weights),
+                    self._companions(comp, weights),
+                )
                 handles.append(attach_hook(comp.module, hook))
         except BaseException:
             for handle in reversed(handles):
@@ -243,6 +247,14 @@ class ModelLevelOffloadBackend:
             return [w for w in selected if w.name != comp.name]
         if comp.role in _ENCODER_ROLES:
             return [w for w in selected if w.role == "dit"]
+        return []
+
+    def _companions(
+        self, comp: Component, weights: dict[str, ComponentWeights]
+    ) -> list[ComponentWeights]:
+        """A selected encoder loads the whole selected encoder group (they run back to back)."""
+        if comp.role in _ENCODER_ROLES and weights[comp.name].selected:
+            return [w for w in weights.values() if w.selected and w.role in _ENCODER_ROLES]
         return []
 
     def __repr__(self) -> str:

@@ -37,13 +37,22 @@ class SequentialOffloadHook:
         exclusion: selected components to evict before this one runs (for a DiT: the
             selected encoders and the other selected DiTs; for an encoder: the selected
             DiTs; for a VAE: none).
+        companions: components of the same group loaded together with this one (the
+            other selected encoders of an encoder: a pipeline's text encoders run back
+            to back, so the encoder stage is one group).
 
     ``pre_forward`` evicts before it loads, so the device never holds two groups.
     """
 
-    def __init__(self, component: ComponentWeights, exclusion: Sequence[ComponentWeights]) -> None:
+    def __init__(
+        self,
+        component: ComponentWeights,
+        exclusion: Sequence[ComponentWeights],
+        companions: Sequence[ComponentWeights] = (),
+    ) -> None:
         self.component = component
         self.exclusion = tuple(c for c in exclusion if c is not component)
+        self.group = (component, *(c for c in companions if c is not component))
         self.device = component.mover.device
         self._platform = component.mover.platform
         self._non_blocking = component.mover.pin
@@ -57,8 +66,9 @@ class SequentialOffloadHook:
         for other in self.exclusion:
             if other.resident:
                 moved = other.evict() or moved
-        if not self.component.resident:
-            moved = self.component.load() or moved
+        for member in self.group:
+            if not member.resident:
+                moved = member.load() or moved
         return moved
 
     def _to_device(self, value: Any, moved: list[bool]) -> Any:

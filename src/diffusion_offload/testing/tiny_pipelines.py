@@ -1,0 +1,704 @@
+"""Tiny random-weight diffusers pipelines, built offline, in the real diffusers format.
+
+Every kind in :data:`KINDS` is a genuine diffusers pipeline class whose components are the
+real model classes (DiTs, VAEs, ``transformers`` text encoders, fast tokenizers, schedulers)
+with tiny configurations, so that offload code sees the same module structure, component
+names, entry points (``forward``, ``vae.decode``) and on-disk layout (``model_index.json``,
+one sub-folder per component, ``*.safetensors``, ``tokenizer.json``) as with a real model.
+
+Nothing is downloaded: tokenizers are built from small in-memory vocabularies and every
+model from its config with random weights. :func:`build` is deterministic for a given
+``(kind, seed)``: each component is initialised from its own seed derived from
+``(kind, component name, seed)``, under a forked RNG, so the caller's global RNG state is
+left untouched and the components do not depend on build order. Everything is float32, on
+the CPU, in ``eval()`` mode.
+
+Kinds, pipeline classes and components (``name: class``):
+
+``"wan2.1"``  :class:`~diffusers.WanPipeline`
+    ``transformer: WanTransformer3DModel``, ``vae: AutoencoderKLWan``,
+    ``text_encoder: UMT5EncoderModel``, ``tokenizer: T5Tokenizer``,
+    ``scheduler: UniPCMultistepScheduler`` (flow prediction, ``flow_shift=3``).
+``"wan2.2"``  :class:`~diffusers.WanPipeline`
+    as ``"wan2.1"`` plus a second, differently initialised ``transformer_2`` and the
+    registered config ``boundary_ratio=0.875``. With :func:`default_call_kwargs` the two
+    steps run at timesteps 999 (``transformer``) and 750 (``transformer_2``), so both DiTs
+    run in one call.
+``"flux"``  :class:`~diffusers.FluxPipeline`
+    ``transformer: FluxTransformer2DModel`` (guidance-distilled, like FLUX.1-dev),
+    ``vae: AutoencoderKL``, ``text_encoder: CLIPTextModel``, ``tokenizer: CLIPTokenizer``,
+    ``text_encoder_2: T5EncoderModel``, ``tokenizer_2: T5Tokenizer``,
+    ``scheduler: FlowMatchEulerDiscreteScheduler``.
+``"sd3"``  :class:`~diffusers.StableDiffusion3Pipeline`
+    ``transformer: SD3Transformer2DModel``, ``vae: AutoencoderKL``,
+    ``text_encoder`` / ``text_encoder_2: CLIPTextModelWithProjection`` (hidden sizes 32 and
+    48), ``tokenizer`` / ``tokenizer_2: CLIPTokenizer``, ``text_encoder_3: T5EncoderModel``,
+    ``tokenizer_3: T5Tokenizer``, ``scheduler: FlowMatchEulerDiscreteScheduler``.
+``"qwen-image"``  :class:`~diffusers.QwenImagePipeline`
+    ``transformer: QwenImageTransformer2DModel``, ``vae: AutoencoderKLQwenImage``,
+    ``text_encoder: Qwen2_5_VLForConditionalGeneration`` (with its tiny vision tower),
+    ``tokenizer: Qwen2Tokenizer``, ``scheduler: FlowMatchEulerDiscreteScheduler``.
+
+All VAEs have 16 latent channels, as the real ones do. Each model component holds under
+400 KiB of float32 parameters (0.3 to 1.3 MiB per pipeline); a pipeline builds in about
+0.1 s and runs :func:`default_call_kwargs` in about 0.05 s on a CPU (after warm-up).
+
+The tokenizers are byte-level BPE (CLIP, Qwen2: any text, no unknown tokens) or
+character-level Unigram (T5: printable ASCII, anything else is ``<unk>``), each with a few
+dozen whole-word entries ("a", "cat", "photo", ...); the Qwen2 tokenizer also knows the
+words of QwenImage's prompt template, so the template's system prefix is exactly the 34
+tokens the pipeline drops, as with the real tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["KINDS", "build", "default_call_kwargs", "save"]
+
+KINDS: tuple[str, ...] = ("wan2.1", "wan2.2", "flux", "sd3", "qwen-image")
+"""The pipeline kinds :func:`build`, :func:`save` and :func:`default_call_kwargs` accept."""
+
+# fmt: off
+# Common words given whole-word tokens, so that prompts tokenize like natural text.
+_WORDS: tuple[str, ...] = (
+    "a", "an", "the", "of", "and", "in", "on", "with", "at", "by", "is", "photo", "cat",
+    "dog", "man", "woman", "red", "blue", "green", "sky", "city", "tree", "house", "car",
+    "high", "quality", "detailed", "low", "bad", "blurry", "image", "video", "astronaut",
+    "riding", "horse", "beautiful", "landscape", "mountain", "water", "sunset",
+)
+# Words of QwenImage's prompt template (``"<|im_start|>system\nDescribe the image by ..."``).
+_QWEN_TEMPLATE_WORDS: tuple[str, ...] = (
+    "system", "user", "assistant", "Describe", " the", " image", " by", " detailing",
+    " color", " shape", " size", " texture", " quantity", " text", " spatial",
+    " relationships", " of", " objects", " and", " background",
+)
+_QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|image_pad|>", "<|video_pad|>",
+)
+# fmt: on
+_CLIP_MAX_LENGTH = 77
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {KINDS}")
+
+
+def _seed_for(kind: str, name: str, seed: int) -> int:
+    """A 63-bit seed for one component, derived from ``(kind, name, seed)``."""
+    digest = hashlib.sha256(f"{kind}/{name}/{int(seed)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _seeded(kind: str, name: str, seed: int, factory: Callable[[], Any]) -> Any:
+    """Run ``factory`` with the (forked) CPU RNG seeded for component ``name``."""
+    torch.manual_seed(_seed_for(kind, name, seed))
+    return factory()
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table (byte-level BPE)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return dict(sorted(table.items()))
+
+
+def _learn_bpe(words: Iterable[list[str]]) -> list[tuple[str, str]]:
+    """Learn BPE merges that turn every word (a list of base symbols) into a single token.
+
+    Plain BPE training: repeatedly merge the most frequent adjacent pair (ties: the
+    smallest pair), so applying the merges in order reproduces the training segmentation
+    and each word ends up as one token. Deterministic.
+    """
+    segments = [list(w) for w in words if w]
+    merges: list[tuple[str, str]] = []
+    while True:
+        counts: dict[tuple[str, str], int] = {}
+        for seg in segments:
+            for pair in zip(seg, seg[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            return merges
+        best = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append(best)
+        for seg in segments:
+            i = 0
+            while i < len(seg) - 1:
+                if (seg[i], seg[i + 1]) == best:
+                    seg[i : i + 2] = [seg[i] + seg[i + 1]]
+                i += 1
+
+
+def _add_merges(vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+
+
+def _byte_level(text: str, byte_map: dict[int, str]) -> list[str]:
+    return [byte_map[b] for b in text.encode("utf-8")]
+
+
+def _clip_tokenizer():
+    """A byte-level BPE :class:`~transformers.CLIPTokenizer` (626 tokens, 77 max length).
+
+    Ids: ``<|startoftext|>=0`` (bos), ``<|endoftext|>=1`` (eos, pad, unk), the 256 byte
+    symbols, the same with ``</w>``, then merges that make each of ``_WORDS`` one token.
+    """
+    from transformers import CLIPTokenizer
+
+    byte_map = _bytes_to_unicode()
+    vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in byte_map.values():
+        vocab[ch] = len(vocab)
+    for ch in byte_map.values():
+        vocab[ch + "</w>"] = len(vocab)
+    words = [_byte_level(w, byte_map) for w in _WORDS]
+    merges = _learn_bpe(w[:-1] + [w[-1] + "</w>"] for w in words)
+    _add_merges(vocab, merges)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=_CLIP_MAX_LENGTH)
+
+
+def _t5_tokenizer():
+    """A character-level Unigram :class:`~transformers.T5Tokenizer` with whole-word pieces.
+
+    Ids: ``<pad>=0``, ``</s>=1``, ``<unk>=2``, then ``"▁"``, printable ASCII characters with
+    and without the ``"▁"`` word prefix, then the words of ``_WORDS`` (231 tokens). Other
+    characters map to ``<unk>``.
+    """
+    from transformers import T5Tokenizer
+
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    pieces += [(c, -8.0) for c in chars]
+    pieces += [("▁" + c, -7.0) for c in chars]
+    pieces += [("▁" + w, -4.0) for w in _WORDS if len(w) > 1]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def _qwen2_tokenizer():
+    """A byte-level BPE :class:`~transformers.Qwen2Tokenizer` (450 tokens).
+
+    Ids: the 256 byte symbols, then ``<|endoftext|>`` (eos and pad), ``<|im_start|>``,
+    ``<|im_end|>`` and the vision tokens, then merged words.
+    """
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    byte_map = _bytes_to_unicode()
+    vocab: dict[str, int] = {}
+    for ch in byte_map.values():
+        vocab[ch] = len(vocab)
+    for token in _QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    words = _QWEN_TEMPLATE_WORDS + tuple(" " + w for w in _WORDS)
+    merges = _learn_bpe(_byte_level(w, byte_map) for w in dict.fromkeys(words))
+    _add_merges(vocab, merges)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in _QWEN_SPECIAL_TOKENS[1:]])
+    return tokenizer
+
+
+# --------------------------------------------------------------------------- text encoders
+
+
+def _clip_config(vocab_size: int, hidden_size: int, projection_dim: int):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        projection_dim=projection_dim,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=_CLIP_MAX_LENGTH,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+
+
+def _t5_encoder(vocab_size: int, d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config)
+
+
+def _umt5_encoder(vocab_size: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=32,
+        d_kv=16,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return UMT5EncoderModel(config)
+
+
+def _qwen2_5_vl_encoder(tokenizer):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN_SPECIAL_TOKENS}
+    eos = ids["<|endoftext|>"]
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [1, 1, 2],
+            },
+            "attention_dropout": 0.0,
+            "bos_token_id": eos,
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": eos,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+# --------------------------------------------------------------------------- VAEs, schedulers
+
+
+def _autoencoder_kl(scaling_factor: float, shift_factor: float):
+    """A 2-level :class:`~diffusers.AutoencoderKL`: spatial factor 2, 16 latent channels."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def _wan_vae():
+    """:class:`~diffusers.AutoencoderKLWan`: spatial factor 8, temporal factor 4, z_dim 16."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+
+
+def _wan_scheduler():
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        num_train_timesteps=1000,
+    )
+
+
+def _flow_match_scheduler(**kwargs: Any):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**kwargs)
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def _wan_transformer():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def _build_wan(kind: str, seed: int):
+    from diffusers import WanPipeline
+
+    tokenizer = _t5_tokenizer()
+    components: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "text_encoder": _seeded(kind, "text_encoder", seed, lambda: _umt5_encoder(len(tokenizer))),
+        "transformer": _seeded(kind, "transformer", seed, _wan_transformer),
+        "vae": _seeded(kind, "vae", seed, _wan_vae),
+        "scheduler": _wan_scheduler(),
+    }
+    if kind == "wan2.2":
+        components["transformer_2"] = _seeded(kind, "transformer_2", seed, _wan_transformer)
+        return WanPipeline(**components, boundary_ratio=0.875)
+    return WanPipeline(**components)
+
+
+def _build_flux(kind: str, seed: int):
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    tokenizer = _clip_tokenizer()
+    tokenizer_2 = _t5_tokenizer()
+    return FluxPipeline(
+        scheduler=_flow_match_scheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        ),
+        vae=_seeded(kind, "vae", seed, lambda: _autoencoder_kl(0.3611, 0.1159)),
+        text_encoder=_seeded(
+            kind, "text_encoder", seed, lambda: CLIPTextModel(_clip_config(len(tokenizer), 32, 32))
+        ),
+        tokenizer=tokenizer,
+        text_encoder_2=_seeded(
+            kind, "text_encoder_2", seed, lambda: _t5_encoder(len(tokenizer_2), 32)
+        ),
+        tokenizer_2=tokenizer_2,
+        transformer=_seeded(
+            kind,
+            "transformer",
+            seed,
+            lambda: FluxTransformer2DModel(
+                patch_size=1,
+                in_channels=64,  # 16 latent channels packed 2x2
+                num_layers=1,
+                num_single_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,  # T5 d_model
+                pooled_projection_dim=32,  # CLIP hidden size
+                guidance_embeds=True,
+                axes_dims_rope=(4, 6, 6),
+            ),
+        ),
+    )
+
+
+def _build_sd3(kind: str, seed: int):
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    tokenizer = _clip_tokenizer()
+    tokenizer_2 = _clip_tokenizer()
+    tokenizer_3 = _t5_tokenizer()
+    return StableDiffusion3Pipeline(
+        transformer=_seeded(
+            kind,
+            "transformer",
+            seed,
+            lambda: SD3Transformer2DModel(
+                sample_size=16,
+                patch_size=2,
+                in_channels=16,
+                num_layers=2,
+                attention_head_dim=8,
+                num_attention_heads=4,
+                joint_attention_dim=96,  # T5 d_model (>= 32 + 48, the CLIP widths)
+                caption_projection_dim=32,  # inner dim = heads * head_dim
+                pooled_projection_dim=80,  # 32 + 48, the CLIP projections
+                out_channels=16,
+                pos_embed_max_size=16,
+            ),
+        ),
+        scheduler=_flow_match_scheduler(shift=3.0),
+        vae=_seeded(kind, "vae", seed, lambda: _autoencoder_kl(1.5305, 0.0609)),
+        text_encoder=_seeded(
+            kind,
+            "text_encoder",
+            seed,
+            lambda: CLIPTextModelWithProjection(_clip_config(len(tokenizer), 32, 32)),
+        ),
+        tokenizer=tokenizer,
+        text_encoder_2=_seeded(
+            kind,
+            "text_encoder_2",
+            seed,
+            lambda: CLIPTextModelWithProjection(_clip_config(len(tokenizer_2), 48, 48)),
+        ),
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=_seeded(
+            kind, "text_encoder_3", seed, lambda: _t5_encoder(len(tokenizer_3), 96)
+        ),
+        tokenizer_3=tokenizer_3,
+    )
+
+
+def _build_qwen_image(kind: str, seed: int):
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+
+    tokenizer = _qwen2_tokenizer()
+    return QwenImagePipeline(
+        scheduler=_flow_match_scheduler(
+            shift=1.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+        ),
+        vae=_seeded(
+            kind,
+            "vae",
+            seed,
+            lambda: AutoencoderKLQwenImage(
+                base_dim=4,
+                z_dim=16,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+            ),
+        ),
+        text_encoder=_seeded(kind, "text_encoder", seed, lambda: _qwen2_5_vl_encoder(tokenizer)),
+        tokenizer=tokenizer,
+        transformer=_seeded(
+            kind,
+            "transformer",
+            seed,
+            lambda: QwenImageTransformer2DModel(
+                patch_size=2,
+                in_channels=64,  # 16 latent channels packed 2x2
+                out_channels=16,
+                num_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,  # text encoder hidden size
+                guidance_embeds=False,
+                axes_dims_rope=(4, 6, 6),
+            ),
+        ),
+    )
+
+
+_BUILDERS: dict[str, Callable[[str, int], Any]] = {
+    "wan2.1": _build_wan,
+    "wan2.2": _build_wan,
+    "flux": _build_flux,
+    "sd3": _build_sd3,
+    "qwen-image": _build_qwen_image,
+}
+
+
+def _modules(pipe: Any) -> Iterable[torch.nn.Module]:
+    return (c for c in pipe.components.values() if isinstance(c, torch.nn.Module))
+
+
+def build(kind: str, seed: int = 0):
+    """Build the tiny random-weight pipeline ``kind`` in memory.
+
+    Args:
+        kind: one of :data:`KINDS`.
+        seed: weights are a pure function of ``(kind, seed)``; the caller's global torch RNG
+            state is preserved.
+
+    Returns:
+        A :class:`diffusers.DiffusionPipeline` (``WanPipeline``, ``FluxPipeline``,
+        ``StableDiffusion3Pipeline`` or ``QwenImagePipeline``) on the CPU, every
+        ``torch.nn.Module`` component float32 and in ``eval()`` mode, progress bars
+        disabled. Each model component holds at most a few hundred KiB of parameters;
+        component names are listed in the module docstring.
+
+    Raises:
+        ValueError: ``kind`` is not in :data:`KINDS`.
+    """
+    _check_kind(kind)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            pipe = _BUILDERS[kind](kind, seed)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    for module in _modules(pipe):
+        module.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def save(kind: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Build ``kind`` and ``save_pretrained`` it (safetensors) to ``directory``, atomically.
+
+    The pipeline is written to a temporary directory beside ``directory`` (same parent, so
+    same file system) and moved into place with :func:`os.replace`. An existing
+    ``directory`` is replaced: it is first renamed aside, then deleted once the new one is in
+    place, so readers see either the old or the new complete pipeline, never a partial one
+    (``directory`` is briefly absent in between). Missing parent directories are created.
+    The result loads offline with ``DiffusionPipeline.from_pretrained(directory)``.
+
+    Args:
+        kind: one of :data:`KINDS`.
+        directory: where the pipeline folder (``model_index.json`` and one sub-folder per
+            component) ends up.
+        seed: as for :func:`build`.
+
+    Returns:
+        ``Path(directory)``.
+
+    Raises:
+        ValueError: ``kind`` is not in :data:`KINDS` (nothing is written).
+        OSError: the directory cannot be written or replaced (e.g. ``directory`` is an
+            existing file: :class:`NotADirectoryError`); the temporary directory is removed.
+    """
+    _check_kind(kind)
+    target = Path(directory)
+    pipe = build(kind, seed)
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        _replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """``os.replace(src, dst)``, first moving an existing non-empty directory ``dst`` aside."""
+    try:
+        os.replace(src, dst)
+        return
+    except OSError:
+        if not dst.is_dir() or dst.is_symlink():
+            raise
+    aside = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    try:
+        try:
+            os.replace(dst, aside / dst.name)
+        except FileNotFoundError:  # a concurrent save moved it first
+            pass
+        os.replace(src, dst)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def default_call_kwargs(kind: str) -> dict[str, Any]:
+    """Keyword arguments for ``pipe(prompt=..., **kwargs)`` that make a fast, valid run.
+
+    Two inference steps at 32x32 (video kinds: 5 frames, 2 latent frames), text at most 16
+    tokens, and the guidance knob of each pipeline set so that classifier-free guidance is
+    on when a ``negative_prompt`` is given (Flux: embedded guidance only). ``output_type``
+    is not included. Resulting outputs: Wan ``frames`` ``(1, 5, 32, 32, 3)`` for
+    ``output_type="np"``; image kinds ``images`` ``(1, 32, 32, 3)``.
+
+    For ``"wan2.2"`` the two steps run at timesteps 999 and 750, on either side of the
+    boundary (875), so ``transformer`` and ``transformer_2`` each run once.
+
+    Returns:
+        A new dict on every call.
+
+    Raises:
+        ValueError: ``kind`` is not in :data:`KINDS`.
+    """
+    _check_kind(kind)
+    common: dict[str, Any] = {"height": 32, "width": 32, "num_inference_steps": 2}
+    if kind == "wan2.1":
+        return {**common, "num_frames": 5, "guidance_scale": 5.0, "max_sequence_length": 16}
+    if kind == "wan2.2":
+        return {
+            **common,
+            "num_frames": 5,
+            "guidance_scale": 4.0,
+            "guidance_scale_2": 3.0,
+            "max_sequence_length": 16,
+        }
+    if kind == "flux":
+        return {**common, "guidance_scale": 3.5, "max_sequence_length": 16}
+    if kind == "sd3":
+        return {**common, "guidance_scale": 5.0, "max_sequence_length": 16}
+    return {**common, "true_cfg_scale": 4.0, "max_sequence_length": 16}  # qwen-image
