@@ -18,6 +18,9 @@ What it gives a test that a CPU run cannot:
   per tensor copy between host and device, and ``synchronizes``.
 * **Capacity.** ``set_capacity(nbytes)`` makes an allocation that would push
   ``allocated_bytes`` above ``nbytes`` raise ``torch.OutOfMemoryError``.
+* **``.data`` assignment across host and device** works as on CUDA (``install`` puts a
+  ``data`` property on ``torch.Tensor`` that handles the ``fakegpu`` case and defers to
+  PyTorch otherwise), so libraries that move weights with ``p.data = t`` run too.
 * **Pinning.** ``Tensor.pin_memory()`` / ``Tensor.is_pinned()`` work on host tensors
   (CPU kernels for ``aten::_pin_memory`` and ``aten::is_pinned`` registered with
   ``torch.library``). A pinned tensor is an ordinary CPU tensor whose storage is
@@ -151,17 +154,6 @@ class FakeDeviceTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return f"FakeDeviceTensor({self._inner!r}, device='{_DEVICE}')"
 
-    @property  # type: ignore[override]
-    def data(self) -> torch.Tensor:
-        return torch._C.TensorBase.data.__get__(self)  # type: ignore[attr-defined]
-
-    @data.setter
-    def data(self, new: torch.Tensor) -> None:
-        # ``set_data`` between two wrappers copies only metadata; rebind the payload too.
-        torch._C.TensorBase.data.__set__(self, new)  # type: ignore[attr-defined]
-        if isinstance(new, FakeDeviceTensor):
-            self._inner = new._inner
-
     @classmethod
     @torch.compiler.disable
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: D105
@@ -241,6 +233,37 @@ def _dispatch(func, args, kwargs):
         return x
 
     return pytree.tree_map(wrap, out)
+
+
+# ----------------------------------------------------------------------------- .data
+
+_TENSOR_DATA = torch._C.TensorBase.data  # the C++ getset descriptor
+
+
+def _data_get(self: torch.Tensor) -> torch.Tensor:
+    return _TENSOR_DATA.__get__(self)
+
+
+def _data_set(self: torch.Tensor, new: torch.Tensor) -> None:
+    """``t.data = new`` as CUDA behaves, also across host and ``fakegpu`` tensors.
+
+    PyTorch refuses ``set_data`` between CPU and PrivateUse1 tensors ("incompatible
+    tensor type": its shallow-copy compatibility list leaves PrivateUse1 out), while
+    CPU<->CUDA works. Across that boundary, ``t`` is pointed at an alias of ``new``'s
+    storage with ``torch.utils.swap_tensors`` (identity and Parameter-ness kept).
+    Between two fake tensors the payload is rebound too (``set_data`` alone copies only
+    the wrapper's metadata).
+    """
+    fake_self, fake_new = isinstance(self, FakeDeviceTensor), isinstance(new, FakeDeviceTensor)
+    if fake_self != fake_new:
+        alias = new.detach()
+        if isinstance(self, torch.nn.Parameter):
+            alias = torch.nn.Parameter(alias, requires_grad=self.requires_grad)
+        torch.utils.swap_tensors(self, alias)
+        return
+    _TENSOR_DATA.__set__(self, new)
+    if fake_self:
+        self._inner = new._inner
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -377,6 +400,7 @@ def install() -> torch.device:
         cpu_lib.impl("_pin_memory", _pin_memory)
         cpu_lib.impl("is_pinned", _is_pinned)
         _libs.extend([dev_lib, cpu_lib])
+        torch.Tensor.data = property(_data_get, _data_set)  # type: ignore[assignment]
         _installed = True
         return _DEVICE
 
