@@ -8,6 +8,8 @@ from torch import nn
 
 from diffusion_offload import ModelLevelOffloadBackend
 from diffusion_offload.testing import fake_accelerator as fa
+from diffusion_offload.testing.pytest_plugin import TEST_DEVICE_TYPE as DEV
+from diffusion_offload.testing.pytest_plugin import requires_fake
 from diffusion_offload.testing.toy import ToyPipeline
 
 FULL = {"mode": "module", "components": ["dit", "text_encoder"]}
@@ -67,7 +69,7 @@ def _install_probes(pipe: ToyPipeline, selected: set[str], violations: list[str]
 
             def probe(mod, args, name=name, comp=comp):
                 seen.add(name)
-                if not _on(comp, "fakegpu"):
+                if not _on(comp, DEV):
                     violations.append(f"{name} not wholly on the device during its forward")
                 for other in _expected_exclusion(name, selected):
                     if not _on(_module(pipe, other), "cpu"):
@@ -100,7 +102,7 @@ def test_invariant_after_enable(fake_device):
     ModelLevelOffloadBackend(FULL, fake_device).enable(pipe)
     assert _on(pipe.transformer, "cpu") and _on(pipe.transformer_2, "cpu")
     for name in ("encoders.text", "encoders.image", "vae"):
-        assert _on(_module(pipe, name), "fakegpu"), name
+        assert _on(_module(pipe, name), DEV), name
 
 
 @pytest.mark.parametrize(
@@ -124,7 +126,7 @@ def test_selection_only_moves_selected(fake_device, components, offloaded):
 
     def record(mod, args):
         for name in NAMES:
-            if not _on(_module(pipe, name), "fakegpu"):
+            if not _on(_module(pipe, name), DEV):
                 host_seen.add(name)
 
     for leaf in pipe.modules():
@@ -159,6 +161,7 @@ def test_legacy_enable_cpu_offload_offloads_every_encoder(fake_device):
     assert _on(pipe.encoders.image, "cpu")  # a DiT ran last: the image encoder was evicted
 
 
+@requires_fake
 def test_capacity_fits_one_dit_not_two(fake_device):
     ids, image = _inputs()
     probe = ToyPipeline()
@@ -180,6 +183,7 @@ def test_capacity_fits_one_dit_not_two(fake_device):
     assert torch.equal(out, ref)
 
 
+@requires_fake
 def test_transfer_totals_match_engine_counters(fake_device):
     ids, image = _inputs()
     ref_pipe = _resident_reference(fake_device)

@@ -10,6 +10,8 @@ import torch
 
 from diffusion_offload import ModelLevelOffloadBackend, SupportsModelCpuOffload
 from diffusion_offload.testing import fake_accelerator as fa
+from diffusion_offload.testing.pytest_plugin import TEST_DEVICE_TYPE as DEV
+from diffusion_offload.testing.pytest_plugin import requires_fake
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from split_model import SplitPipeline  # noqa: E402
@@ -32,12 +34,12 @@ def test_only_the_executing_part_is_resident(fake_device):
     pipe = SplitPipeline()
     ModelLevelOffloadBackend(DIT, fake_device).enable(pipe)
     t = pipe.transformer
-    assert _on(t.reasoner, "cpu") and _on(t.generator, "cpu") and _on(pipe.vae, "fakegpu")
+    assert _on(t.reasoner, "cpu") and _on(t.generator, "cpu") and _on(pipe.vae, DEV)
     violations = []
 
     def probe(part, other):
         def hook(mod, args):
-            if not _on(part, "fakegpu") or not _on(other, "cpu"):
+            if not _on(part, DEV) or not _on(other, "cpu"):
                 violations.append(type(mod).__name__)
         return hook
 
@@ -50,6 +52,7 @@ def test_only_the_executing_part_is_resident(fake_device):
     assert violations == []
 
 
+@requires_fake
 def test_reactivating_the_active_part_is_free(fake_device):
     pipe = SplitPipeline()
     ModelLevelOffloadBackend(DIT, fake_device).enable(pipe)

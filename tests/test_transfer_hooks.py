@@ -16,6 +16,8 @@ from diffusion_offload import (
 )
 from diffusion_offload import hooks as hooks_mod
 from diffusion_offload.testing import fake_accelerator as fa
+from diffusion_offload.testing.pytest_plugin import TEST_DEVICE_TYPE as DEV
+from diffusion_offload.testing.pytest_plugin import requires_fake
 
 FULL = {"mode": "module", "components": ["dit", "text_encoder"]}
 
@@ -83,6 +85,7 @@ def test_buffer_only_and_non_persistent_buffers_move(fake_device):
     assert pipe.dit2.table.device.type == "cpu" and pipe.dit2.scratch.device.type == "cpu"
 
 
+@requires_fake
 def test_parameterless_module_triggers_nothing(fake_device):
     pipe = Pipe()
     backend = _enable(pipe, fake_device)
@@ -97,6 +100,7 @@ def test_parameterless_module_triggers_nothing(fake_device):
     assert out.cpu().tolist() == [1.0, 1.0, 1.0]
 
 
+@requires_fake
 def test_parameterless_selected_dit_triggers_nothing(fake_device):
     class P(Pipe):
         def __init__(self):
@@ -117,6 +121,7 @@ def test_parameterless_selected_dit_triggers_nothing(fake_device):
     assert s["transfers"] == 0 and s["synchronizes"] == 0
 
 
+@requires_fake
 def test_resident_call_is_free(fake_device):
     pipe = Pipe()
     _enable(pipe, fake_device)

@@ -19,6 +19,16 @@ import pytest
 import torch
 
 
+#: the device type the ``fake_device`` fixture yields (``fakegpu`` unless the env var says otherwise)
+TEST_DEVICE_TYPE: str = os.environ.get("DIFFUSION_OFFLOAD_TEST_DEVICE", "fakegpu").split(":")[0]
+
+#: marks a test that needs the fake accelerator's exact counters or capacity
+requires_fake = pytest.mark.skipif(
+    TEST_DEVICE_TYPE != "fakegpu",
+    reason="needs the fake accelerator's exact byte counters / capacity, which a real device lacks",
+)
+
+
 @pytest.fixture
 def fake_device() -> Iterator[torch.device]:
     """The device under test: ``fakegpu:0`` (default) or the one named by the env var."""
