@@ -391,3 +391,29 @@ def test_offload_component_context(fake_device):
     with pytest.raises(RuntimeError, match="no offload hook"):
         with offload_component(nn.Linear(2, 2)):
             pass
+
+
+def test_dtensor_moves_shard_locally_and_is_not_pinned(fake_device):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from diffusion_offload.platform import platform_for
+    from diffusion_offload.transfer import Mover, TensorSlot
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        local = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+        p = nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
+        mover = Mover(platform_for(fake_device), pin_memory=True)
+        slot = TensorSlot(p, evictable=True)
+        assert slot.nbytes == 64
+        mover.adopt(slot)
+        assert not p._local_tensor.is_pinned() and not slot.pinned
+        assert mover.load(slot) == 64
+        assert isinstance(p, DTensor) and p._local_tensor.device == fake_device
+        assert mover.evict(slot) == 0  # unmodified: no write-back
+        assert p._local_tensor.device.type == "cpu" and torch.equal(p._local_tensor, local)
+    finally:
+        dist.destroy_process_group()

@@ -123,7 +123,7 @@ class TensorSlot:
         self.evictable = evictable
         self.host: torch.Tensor | None = None
         self.pinned = False
-        self.nbytes = _nbytes(live)
+        self.nbytes = _nbytes(self.tensor)  # a DTensor's local shard, not the global size
         self._alias: torch.Tensor | None = None  # the device copy as loaded
         self._version = 0
 
