@@ -3,7 +3,13 @@
 Every bad input (missing directory, unknown hub id offline, not a diffusers pipeline,
 unsupported pipeline class, invalid JSON or config, unwritable or wrongly named output,
 a config that does not fit) prints one line ``diffusion-offload: error: ...`` to stderr
-and exits with status 2, writing nothing.
+and exits with status 2, writing nothing. Library warnings (transformers, diffusers) are
+silenced while the input is validated, so that line is all a bad input prints.
+
+Testing aid (undocumented in ``--help``): with ``--device fakegpu``, the environment
+variable ``DIFFUSION_OFFLOAD_FAKE_CAPACITY=BYTES`` limits the fake accelerator's memory
+to ``BYTES`` (``fake_accelerator.set_capacity``) before the fit check, so a config that
+does not fit can be shown without a real GPU.
 """
 
 from __future__ import annotations
@@ -13,12 +19,15 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = ["default_model_dir", "main"]
 
 EXIT_USAGE = 2
+FAKE_CAPACITY_ENV = "DIFFUSION_OFFLOAD_FAKE_CAPACITY"
 
 
 class CliError(Exception):
@@ -122,15 +131,54 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _check_writable(path: str | None, flag: str) -> Path | None:
+    from .engine.media import check_writable_folder
+
     if path is None:
         return None
     out = Path(path)
     if out.suffix.lower() != ".json":
         raise CliError(f"{flag} {path!r} must end in .json")
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise CliError(f"{flag} {path!r}: folder {str(folder)!r} does not exist or is not writable")
+    try:
+        check_writable_folder(out, flag)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if out.is_dir():
+        raise CliError(f"{flag} {path!r} is a folder")
     return out
+
+
+@contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """Silence transformers and diffusers warnings (e.g. about optional backends that
+    importing a pipeline class logs) while the input is validated; restored afterwards."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    saved = transformers_logging.get_verbosity(), diffusers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(saved[0])
+        diffusers_logging.set_verbosity(saved[1])
+
+
+def _apply_fake_capacity(device: str | None) -> None:
+    """``DIFFUSION_OFFLOAD_FAKE_CAPACITY`` (testing aid): cap the fake accelerator's memory."""
+    value = os.environ.get(FAKE_CAPACITY_ENV)
+    if value is None or device is None or not str(device).startswith("fakegpu"):
+        return
+    try:
+        nbytes = int(value)
+        if nbytes < 0:
+            raise ValueError
+    except ValueError:
+        raise CliError(f"{FAKE_CAPACITY_ENV}={value!r} is not a number of bytes (an int >= 0)") from None
+    from .testing import fake_accelerator
+
+    fake_accelerator.install()
+    fake_accelerator.set_capacity(nbytes)
 
 
 def _summary(output: Any, report: dict[str, Any]) -> None:
@@ -160,16 +208,18 @@ def _generate(args: argparse.Namespace) -> int:
     report_path = _check_writable(args.report, "--report")
     trace_path = _check_writable(args.trace, "--trace")
     embedded = args.model is None
-    try:
-        model_dir = _ensure_default_model() if embedded else resolve_model(args.model)
-        info = inspect_model(model_dir)
-    except ModelError as exc:
-        raise CliError(str(exc)) from None
+    with _quiet_libraries():
+        try:
+            model_dir = _ensure_default_model() if embedded else resolve_model(args.model)
+            info = inspect_model(model_dir)
+        except ModelError as exc:
+            raise CliError(str(exc)) from None
     output = args.output or ("output.mp4" if info.is_video else "output.png")
     try:
         out_path = check_output_path(output, info.is_video)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    _apply_fake_capacity(args.device)
     values = {
         "height": args.height, "width": args.width, "num_frames": args.num_frames,
         "num_inference_steps": args.steps, "seed": args.seed, "fps": args.fps,

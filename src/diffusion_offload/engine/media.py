@@ -15,7 +15,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "check_output_path", "encode_png", "encode_video", "write_atomic"]
+__all__ = [
+    "IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "check_output_path", "check_writable_folder",
+    "encode_png", "encode_video", "write_atomic",
+]
 
 IMAGE_EXTENSIONS = (".png",)
 VIDEO_EXTENSIONS = (".mp4", ".gif")
@@ -26,8 +29,8 @@ def check_output_path(path: str | os.PathLike, is_video: bool) -> Path:
 
     Raises:
         ValueError: the extension is unknown or does not fit the output kind (``.png``
-            for images; ``.mp4`` or ``.gif`` for videos), or the folder does not exist
-            or is not writable.
+            for images; ``.mp4`` or ``.gif`` for videos), the folder does not exist or
+            does not accept new files, or the path is a folder or a read-only file.
     """
     out = Path(path)
     ext = out.suffix.lower()
@@ -40,11 +43,35 @@ def check_output_path(path: str | os.PathLike, is_video: bool) -> Path:
     if ext not in allowed:
         kind = "a video" if is_video else "an image"
         raise ValueError(f"output {str(out)!r}: this model produces {kind}; use one of {list(allowed)}")
+    check_writable_folder(out, "output")
+    if out.exists() and (out.is_dir() or not os.access(out, os.W_OK)):
+        raise ValueError(f"output {str(out)!r} is not writable")
+    return out
+
+
+def check_writable_folder(path: str | os.PathLike, what: str = "output") -> Path:
+    """Check that a file can be created beside ``path`` (its folder exists and takes new files).
+
+    The check creates and removes a temporary file in the folder, since ``os.access``
+    says yes to root for read-only folders, where the atomic write would fail later.
+
+    Raises:
+        ValueError: the folder does not exist or does not accept new files (the message
+            names ``what``, the path and the reason).
+    """
+    out = Path(path)
     folder = out.parent if str(out.parent) else Path(".")
     if not folder.is_dir():
-        raise ValueError(f"output {str(out)!r}: folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ValueError(f"output {str(out)!r} is not writable")
+        raise ValueError(f"{what} {str(out)!r}: folder {str(folder)!r} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=folder)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(
+            f"{what} {str(out)!r} is not writable: folder {str(folder)!r} does not accept new files ({reason})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
     return out
 
 

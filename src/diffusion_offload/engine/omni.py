@@ -319,9 +319,12 @@ class Omni:
 
         Raises:
             TypeError, ValueError: malformed prompts or unsupported parameters.
+            RuntimeError: the engine was closed.
             torch.OutOfMemoryError: the device ran out of memory; the message names
                 the stage and the component being loaded.
         """
+        if self.pipeline is None:
+            raise RuntimeError("this Omni engine is closed; build a new one to generate")
         items = _normalize_prompts(prompts)
         params = sampling_params or SamplingParams()
         kwargs = self._call_kwargs(params)
