@@ -1,0 +1,202 @@
+"""The HTTP server: ``create_app`` (FastAPI) and ``serve`` (``diffusion-offload serve``).
+
+Endpoints (OpenAI's shapes; every error is ``{"error": {"message", "type", "param", "code"}}``):
+
+- ``GET /health``: 200 once the model is loaded, 503 before (and while shutting down);
+  never needs the API key.
+- ``GET /v1/models``, ``GET /v1/models/{id}``: the one model, its id as given on the
+  command line.
+- ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs.
+- ``POST /v1/videos`` (JSON or form) -> a queued video job; ``GET /v1/videos``,
+  ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (the mp4; 409 until
+  completed), ``DELETE /v1/videos/{id}`` (cancel queued / delete finished; 409 while in
+  progress).
+- ``GET /metrics``: Prometheus text format (see :mod:`.metrics`).
+
+With an API key, every ``/v1/`` route needs ``Authorization: Bearer KEY`` (401 otherwise);
+``/health`` and ``/metrics`` do not. Request bodies over ``max_body_bytes`` answer 413
+(by ``Content-Length`` and by the bytes actually received). Every generation, image
+requests included, runs on one worker thread, one at a time (:mod:`.jobs`); a full queue
+answers 429. Finished videos are kept in memory until deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from .metrics import MetricsMiddleware
+from .middleware import GuardMiddleware
+from .routes import add_routes
+from .state import ServerSettings, ServerState
+
+__all__ = ["ServerSettings", "ServerState", "create_app", "serve"]
+
+logger = logging.getLogger("diffusion_offload.server")
+
+
+def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    Args:
+        engine: a loaded engine (used as is, not closed on shutdown) or a zero-argument
+            factory returning one (called on a background thread at startup, so
+            ``/health`` answers 503 until it returns; closed on shutdown).
+        settings: limits, API key, queue size, shutdown grace.
+
+    Returns:
+        The app; ``app.state.server`` is its :class:`ServerState`.
+    """
+    state = ServerState(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="diffusion-offload", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    add_routes(app, state)
+    app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics, routes=lambda: app.routes)
+    return app
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def _fail(message: str) -> int:
+    print(f"diffusion-offload: error: {message}", file=sys.stderr)
+    return 2
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run ``diffusion-offload serve``; returns the exit status.
+
+    Settings, offload config, dtype, device and model files are validated first (a bad
+    one prints one line ``diffusion-offload: error: ...`` and returns 2, loading
+    nothing). Then uvicorn binds ``--host``/``--port`` and the model loads in the
+    background. SIGINT/SIGTERM stop new work, let the running job finish for up to
+    ``--shutdown-grace`` seconds, then mark it failed; temporary files live in a private
+    folder removed on exit. A model that fails to load in the background stops the
+    server: status 2 when it is a user error (fit check, model files, bad value), else 1.
+    A generation still running after the grace ends the process with ``os._exit`` once
+    everything is answered and cleaned up (exiting the interpreter under native code
+    would abort it).
+    """
+    from ..cli import CliError, parse_config_args
+
+    try:
+        settings = ServerSettings.from_args(args)
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
+        config = parse_config_args(args)
+    except (CliError, ValueError) as exc:
+        return _fail(str(exc))
+
+    from ..engine import FitError, ModelError, Omni
+    from ..engine.model_files import inspect_model, resolve_model
+    from ..engine.omni import parse_dtype, pick_device
+
+    try:
+        dtype = parse_dtype(args.dtype)
+        device = pick_device(args.device)
+        model_dir = resolve_model(args.model)
+        inspect_model(model_dir)
+    except (ModelError, ValueError, TypeError) as exc:
+        return _fail(str(exc))
+
+    def factory() -> Any:
+        return Omni(str(model_dir), config, device=device, dtype=dtype, progress=False)
+
+    tmp = tempfile.mkdtemp(prefix="diffusion-offload-serve-")
+    previous_tmp = tempfile.tempdir
+    tempfile.tempdir = tmp  # ffmpeg's and our temporary files: removed below, whatever happens
+    try:
+        app = create_app(factory, settings)
+        state: ServerState = app.state.server
+        server = _Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                lifespan="on",
+                log_level="info",
+                timeout_graceful_shutdown=settings.shutdown_grace + 5.0,
+            ),
+            state,
+        )
+
+        def stop_serving() -> None:
+            server.should_exit = True
+
+        state.request_shutdown = stop_serving
+        try:
+            server.run()
+        except SystemExit as exc:  # uvicorn exits when it cannot bind
+            code = exc.code if isinstance(exc.code, int) else 1
+            return code or 1
+        status = 0
+        if state.load_error is not None:
+            error = state.load_error
+            user_error = (FitError, ModelError, ValueError, TypeError, NotImplementedError)
+            status = 2 if isinstance(error, user_error) else 1
+        stuck = not state.jobs.join(timeout=5.0) or state.loading
+    finally:
+        tempfile.tempdir = previous_tmp
+        shutil.rmtree(tmp, ignore_errors=True)
+    if stuck:
+        # A generation (or the model load) is still inside native code: ending the interpreter
+        # under it would abort the process. Everything is answered and cleaned up; exit now.
+        logger.warning("a generation or the model load is still running; exiting without waiting")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with SIGINT/SIGTERM starting the graceful shutdown.
+
+    The first signal stops new work at once (503) and starts the running job's grace
+    period; uvicorn then closes the listener and waits for open requests, and the app's
+    lifespan waits for the worker. Unlike uvicorn's default, the signal is not re-raised
+    afterwards, so ``serve`` returns 0; a second SIGINT forces the exit.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self._state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """Begin the graceful shutdown (signal handler; returns at once)."""
+        if not self.should_exit:
+            self._state.shutting_down = True
+            threading.Thread(
+                target=self._state.begin_shutdown, name="diffusion-offload-shutdown", daemon=True
+            ).start()
+            logger.info(
+                "received %s: finishing the running job (up to %g s), then exiting",
+                signal.Signals(sig).name,
+                self._state.settings.shutdown_grace,
+            )
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True

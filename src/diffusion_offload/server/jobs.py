@@ -1,0 +1,354 @@
+"""A bounded job queue served by one worker thread, and the store of video jobs.
+
+One pipeline per process: every generation (image requests too) is a :class:`Job` run by
+the single worker, one at a time, in arrival order. ``max_queue`` bounds the jobs
+*waiting* (the running one is not counted); :meth:`JobManager.submit` raises
+:class:`QueueFull` beyond it.
+
+States: ``queued -> in_progress -> completed | failed``. A queued job can be cancelled
+(it never runs). On shutdown, :meth:`JobManager.begin_shutdown` refuses new jobs, fails
+the queued ones, and gives the running one ``grace`` seconds before marking it failed;
+its late result, if any, is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "COMPLETED",
+    "FAILED",
+    "IN_PROGRESS",
+    "QUEUED",
+    "Job",
+    "JobAbandoned",
+    "JobInProgress",
+    "JobManager",
+    "QueueFull",
+    "ShuttingDown",
+]
+
+logger = logging.getLogger("diffusion_offload.server")
+
+QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
+FINISHED = (COMPLETED, FAILED)
+
+
+class QueueFull(Exception):
+    """``max_queue`` jobs are already waiting."""
+
+
+class ShuttingDown(Exception):
+    """The server is shutting down and takes no new jobs."""
+
+
+class JobInProgress(Exception):
+    """The job is running and cannot be deleted."""
+
+
+class JobAbandoned(Exception):
+    """Raised by a runner that notices its job was marked failed (shutdown) to stop early."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation.
+
+    Attributes:
+        kind: ``"image"`` or ``"video"``.
+        payload: what the runner needs (the validated request and sampling params).
+        store: keep the job after it finishes (video jobs) so it can be polled.
+        id: ``video_<hex>`` / ``image_<hex>``.
+        status: ``queued``, ``in_progress``, ``completed`` or ``failed``.
+        progress: percent done, 0-100 (set by the runner while it runs).
+        error: ``{"code", "message"}`` when failed.
+        result: the runner's return value when completed.
+        created_at, started_at, completed_at: Unix times (seconds).
+    """
+
+    kind: str
+    payload: Any = None
+    store: bool = False
+    id: str = ""
+    status: str = QUEUED
+    progress: float = 0.0
+    error: dict[str, str] | None = None
+    result: Any = None
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    completed_at: float | None = None
+    _callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
+    _fired: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = f"{self.kind}_{secrets.token_hex(12)}"
+
+    @property
+    def finished(self) -> bool:
+        """True once completed or failed."""
+        return self.status in FINISHED
+
+    def add_done_callback(self, fn: Callable[[Job], None]) -> None:
+        """Call ``fn(job)`` once the job finishes (at once if it already has); any thread."""
+        if self._fired:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def _fire(self) -> None:
+        if self._fired:
+            return
+        self._fired = True
+        for fn in self._callbacks:
+            try:
+                fn(self)
+            except Exception:  # a callback must never kill the worker
+                logger.exception("job %s: done callback failed", self.id)
+        self._callbacks.clear()
+
+
+class JobManager:
+    """Bounded FIFO of jobs, one worker thread, and the store of kept jobs.
+
+    Args:
+        runner: ``runner(job) -> result``, run in the worker thread; an exception fails
+            the job with ``"<ExceptionType>: <message>"``.
+        max_queue: most jobs waiting (the running job not counted).
+        on_finish: called with every finished job (metrics), in the finishing thread.
+        error_code: ``error_code(exc) -> str``, the ``code`` of a failed job's error.
+    """
+
+    def __init__(
+        self,
+        runner: Callable[[Job], Any],
+        max_queue: int,
+        on_finish: Callable[[Job], None] | None = None,
+        error_code: Callable[[BaseException], str] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.max_queue = max_queue
+        self.on_finish = on_finish
+        self.error_code = error_code or (lambda exc: "generation_failed")
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._store: dict[str, Job] = {}
+        self._running: Job | None = None
+        self._accepting = True
+        self._stopping = False
+        self._worker: threading.Thread | None = None
+        self._reaper: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ queue
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting to run."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> Job | None:
+        """The job the worker is running, if any."""
+        return self._running
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutdown began."""
+        return self._accepting
+
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        with self._cond:
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._work, name="diffusion-offload-worker", daemon=True
+                )
+                self._worker.start()
+
+    def submit(self, job: Job) -> Job:
+        """Queue ``job``.
+
+        Raises:
+            ShuttingDown: shutdown began.
+            QueueFull: ``max_queue`` jobs are waiting.
+        """
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting); retry later")
+            self._waiting.append(job)
+            if job.store:
+                self._store[job.id] = job
+            self._cond.notify_all()
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        """A kept job by id."""
+        return self._store.get(job_id)
+
+    def list(self) -> list[Job]:
+        """Kept jobs, oldest first."""
+        with self._cond:
+            return sorted(self._store.values(), key=lambda j: j.created_at)
+
+    def delete(self, job_id: str) -> Job:
+        """Cancel a queued job or forget a finished one.
+
+        Raises:
+            KeyError: no such kept job.
+            JobInProgress: the job is running.
+        """
+        with self._cond:
+            job = self._store.get(job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if job.status == IN_PROGRESS:
+                raise JobInProgress(job_id)
+            if job.status == QUEUED:
+                self._waiting.remove(job)
+                self._fail(job, "cancelled", "the job was cancelled before it started")
+            del self._store[job_id]
+        self._finish_outside_lock(job)
+        return job
+
+    def cancel(self, job: Job) -> bool:
+        """Drop ``job`` if it is still queued (its caller went away); True if dropped."""
+        with self._cond:
+            if job.status != QUEUED:
+                return False
+            self._waiting.remove(job)
+            self._store.pop(job.id, None)
+            self._fail(job, "cancelled", "the request was cancelled before the job started")
+        self._finish_outside_lock(job)
+        return True
+
+    # ------------------------------------------------------------------ worker
+
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        job.status = FAILED
+        job.error = {"code": code, "message": message}
+        job.completed_at = time.time()
+
+    def _finish_outside_lock(self, job: Job) -> None:
+        if self.on_finish is not None:
+            try:
+                self.on_finish(job)
+            except Exception:
+                logger.exception("job %s: on_finish failed", job.id)
+        job._fire()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                job.status = IN_PROGRESS
+                job.started_at = time.time()
+                self._running = job
+            error: BaseException | None = None
+            result = None
+            try:
+                result = self.runner(job)
+            except BaseException as exc:  # noqa: BLE001 - every failure fails the job, never the worker
+                error = exc
+            with self._cond:
+                self._running = None
+                ours = job.status == IN_PROGRESS  # not already failed by the shutdown reaper
+                if ours:
+                    if error is None:
+                        job.status = COMPLETED
+                        job.result = result
+                        job.progress = 100.0
+                        job.completed_at = time.time()
+                    else:
+                        message = f"{type(error).__name__}: {error}"
+                        self._fail(job, self.error_code(error), message)
+                        logger.error("job %s failed: %s", job.id, message)
+                else:
+                    logger.warning(
+                        "job %s finished after it was marked failed; its result is dropped", job.id
+                    )
+                self._cond.notify_all()
+            if ours:
+                self._finish_outside_lock(job)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Stop accepting, fail the queued jobs, and give the running one ``grace`` seconds.
+
+        Returns at once (idempotent); a reaper thread marks the running job failed if it
+        is still running after ``grace`` seconds.
+        """
+        with self._cond:
+            if not self._accepting:
+                return
+            self._accepting = False
+            self._stopping = True
+            cancelled = list(self._waiting)
+            self._waiting.clear()
+            for job in cancelled:
+                self._fail(job, "server_shutdown", "the server shut down before the job started")
+            self._cond.notify_all()
+            deadline = time.monotonic() + max(0.0, grace)
+            self._reaper = threading.Thread(
+                target=self._reap,
+                args=(deadline, grace),
+                name="diffusion-offload-reaper",
+                daemon=True,
+            )
+            self._reaper.start()
+        for job in cancelled:
+            self._finish_outside_lock(job)
+
+    def _reap(self, deadline: float, grace: float) -> None:
+        with self._cond:
+            while self._running is not None and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+            job = self._running
+            if job is None or job.status != IN_PROGRESS:
+                return
+            self._fail(
+                job,
+                "server_shutdown",
+                f"the server shut down: the job did not finish within the {grace:g} s "
+                "shutdown grace",
+            )
+            logger.error(
+                "job %s marked failed: still running after the %g s shutdown grace", job.id, grace
+            )
+        self._finish_outside_lock(job)
+
+    def shutdown(self, grace: float, settle: float = 5.0) -> bool:
+        """Shut down: ``begin_shutdown(grace)``, then wait for the worker.
+
+        Waits for the running job up to the grace deadline, then up to ``settle`` more
+        seconds for the worker to return from a job marked failed (runners stop
+        cooperatively at their next step).
+
+        Returns:
+            True if the worker has stopped (no generation still running).
+        """
+        self.begin_shutdown(grace)
+        if self._reaper is not None:
+            self._reaper.join()
+        return self.join(settle)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the worker thread to stop; True if it has."""
+        worker = self._worker
+        if worker is None:
+            return True
+        worker.join(timeout=timeout)
+        return not worker.is_alive()

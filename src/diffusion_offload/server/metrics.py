@@ -1,0 +1,209 @@
+"""Prometheus metrics of the server, on their own ``CollectorRegistry``.
+
+Exposed at ``GET /metrics`` (text format):
+
+- ``diffusion_offload_http_requests_total{endpoint,method,status}`` and
+  ``diffusion_offload_http_request_duration_seconds{endpoint,method}`` (histogram); the
+  endpoint is the route template (``/v1/videos/{video_id}``), ``other`` for unknown paths.
+- ``diffusion_offload_jobs_total{kind,status}`` (status ``completed``, ``failed``,
+  ``cancelled``), ``diffusion_offload_job_queue_seconds{kind}`` and
+  ``diffusion_offload_job_run_seconds{kind}`` (histograms).
+- ``diffusion_offload_queue_depth`` (jobs waiting), ``diffusion_offload_jobs_running``,
+  ``diffusion_offload_model_loaded``.
+- ``diffusion_offload_weight_h2d_bytes_total``, ``..._weight_d2h_bytes_total``,
+  ``..._weight_loads_total``, ``..._weight_evictions_total``,
+  ``..._weight_transfer_seconds_total``: the engine's own cumulative ``TransferStats``,
+  read at scrape time (so they equal ``Omni.stats``).
+- ``diffusion_offload_peak_device_memory_bytes``: the highest per-request peak device
+  memory seen; ``diffusion_offload_last_peak_device_memory_bytes``: the latest request's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+from starlette.routing import Match
+
+__all__ = ["CONTENT_TYPE_LATEST", "MetricsMiddleware", "ServerMetrics"]
+
+_PREFIX = "diffusion_offload"
+_HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
+_STATS = (
+    ("h2d_bytes", "weight_h2d_bytes", "Weight bytes the engine copied host -> device."),
+    ("d2h_bytes", "weight_d2h_bytes", "Weight bytes the engine copied device -> host."),
+    ("loads", "weight_loads", "Component loads that moved weights to the device."),
+    ("evictions", "weight_evictions", "Component evictions that moved weights off the device."),
+    ("transfer_seconds", "weight_transfer_seconds", "Seconds spent in weight loads and evictions."),
+)
+
+
+class _EngineStatsCollector(Collector):
+    """The engine's cumulative ``TransferStats`` as counters, read at scrape time."""
+
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self._engine = engine
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        engine = self._engine()
+        stats = getattr(engine, "stats", None) if engine is not None else None
+        for attr, name, doc in _STATS:
+            value = getattr(stats, attr, 0) if stats is not None else 0
+            yield CounterMetricFamily(f"{_PREFIX}_{name}", doc, value=float(value))
+
+
+class ServerMetrics:
+    """The server's metrics.
+
+    Args:
+        engine: returns the loaded engine or None (read at scrape time).
+        queue_depth: returns the number of waiting jobs.
+        running: returns the number of running jobs (0 or 1).
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], Any],
+        queue_depth: Callable[[], int],
+        running: Callable[[], int],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{_PREFIX}_http_requests",
+            "HTTP requests by endpoint, method and status.",
+            ["endpoint", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            f"{_PREFIX}_http_request_duration_seconds",
+            "HTTP request latency by endpoint.",
+            ["endpoint", "method"],
+            buckets=_HTTP_BUCKETS,
+            registry=r,
+        )
+        self.jobs = Counter(
+            f"{_PREFIX}_jobs", "Finished jobs by kind and status.", ["kind", "status"], registry=r
+        )
+        self.queue_seconds = Histogram(
+            f"{_PREFIX}_job_queue_seconds",
+            "Seconds jobs waited in the queue.",
+            ["kind"],
+            buckets=_JOB_BUCKETS,
+            registry=r,
+        )
+        self.run_seconds = Histogram(
+            f"{_PREFIX}_job_run_seconds",
+            "Seconds jobs ran (generation and encoding).",
+            ["kind"],
+            buckets=_JOB_BUCKETS,
+            registry=r,
+        )
+        Gauge(f"{_PREFIX}_queue_depth", "Jobs waiting to run.", registry=r).set_function(
+            queue_depth
+        )
+        Gauge(f"{_PREFIX}_jobs_running", "Jobs running (0 or 1).", registry=r).set_function(running)
+        Gauge(f"{_PREFIX}_model_loaded", "1 once the model is loaded.", registry=r).set_function(
+            lambda: 0.0 if engine() is None else 1.0
+        )
+        self.peak_memory = Gauge(
+            f"{_PREFIX}_peak_device_memory_bytes",
+            "Highest per-request peak device memory seen.",
+            registry=r,
+        )
+        self.last_peak_memory = Gauge(
+            f"{_PREFIX}_last_peak_device_memory_bytes",
+            "Peak device memory of the latest request.",
+            registry=r,
+        )
+        self._peak = 0
+        r.register(_EngineStatsCollector(engine))
+        for kind in ("image", "video"):  # export zeros before the first job
+            for status in ("completed", "failed", "cancelled"):
+                self.jobs.labels(kind, status)
+
+    def observe_peak_memory(self, nbytes: int) -> None:
+        """Record one request's peak device memory."""
+        nbytes = int(nbytes)
+        self.last_peak_memory.set(nbytes)
+        if nbytes > self._peak:
+            self._peak = nbytes
+            self.peak_memory.set(nbytes)
+
+    def observe_job(self, job: Any) -> None:
+        """Count a finished job and its queue and run times."""
+        code = (job.error or {}).get("code")
+        status = "cancelled" if code == "cancelled" else job.status
+        self.jobs.labels(job.kind, status).inc()
+        if job.started_at is not None:
+            self.queue_seconds.labels(job.kind).observe(max(0.0, job.started_at - job.created_at))
+            if job.completed_at is not None:
+                self.run_seconds.labels(job.kind).observe(
+                    max(0.0, job.completed_at - job.started_at)
+                )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """ASGI middleware counting every HTTP request and its latency (outermost layer)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics, routes: Callable[[], list]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    def _endpoint(self, scope: dict) -> str:
+        for route in self.routes():
+            try:
+                match, _ = route.matches(scope)
+            except Exception:
+                continue
+            if match == Match.FULL:
+                return getattr(route, "path", "other")
+        for route in self.routes():  # right path, wrong method
+            try:
+                match, _ = route.matches(scope)
+            except Exception:
+                continue
+            if match == Match.PARTIAL:
+                return getattr(route, "path", "other")
+        return "other"
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Run the app, recording the status it answered and the time it took."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            endpoint = self._endpoint(scope)
+            method = scope.get("method", "GET")
+            self.metrics.requests.labels(endpoint, method, str(status["code"])).inc()
+            self.metrics.latency.labels(endpoint, method).observe(time.perf_counter() - start)

@@ -1,0 +1,338 @@
+"""The endpoints and the exception handlers that turn every error into OpenAI's envelope."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from .errors import APIError
+from .jobs import COMPLETED, QUEUED, Job, JobInProgress
+from .metrics import CONTENT_TYPE_LATEST
+from .schemas import (
+    ImageGenerationRequest,
+    VideoGenerationRequest,
+    check_limits,
+    form_to_dict,
+    validation_error,
+)
+from .state import JobSpec, ServerState, random_seed
+
+__all__ = ["add_routes"]
+
+logger = logging.getLogger("diffusion_offload.server")
+
+_JSON = "application/json"
+_FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+def _media_type(request: Request) -> str:
+    return (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+
+
+def _wrong_content_type(got: str, allowed: tuple[str, ...]) -> APIError:
+    return APIError(
+        400,
+        f"Unsupported Content-Type {got or '(none)'!r}; send {' or '.join(allowed)}.",
+        code="unsupported_content_type",
+    )
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.settings.model_id:
+        raise APIError(
+            400,
+            f"Invalid value for 'model': this server serves {state.settings.model_id!r}, "
+            f"not {model!r}.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    """Register the endpoints and exception handlers of ``state`` on ``app``."""
+    settings = state.settings
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message, code = f"Unknown path {request.url.path!r}.", "not_found"
+        elif exc.status_code == 405:
+            message, code = (
+                f"Method {request.method} is not allowed on {request.url.path!r}.",
+                "method_not_allowed",
+            )
+        else:
+            message, code = str(exc.detail), None
+        return APIError(
+            exc.status_code, message, code=code, headers=getattr(exc, "headers", None)
+        ).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = (exc.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
+        return APIError(
+            400,
+            f"Invalid request: {err.get('msg', 'invalid')}.",
+            param=loc[-1] if loc else None,
+            code="invalid_value",
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return APIError(
+            500, f"Internal server error: {type(exc).__name__}: {exc}", code="internal_error"
+        ).response()
+
+    # -------------------------------------------------------------- health, models, metrics
+
+    @app.get("/health")
+    async def health() -> Any:
+        """200 once the model is loaded; 503 while loading or shutting down."""
+        state.require_engine()
+        return {"status": "ok", "model": settings.model_id}
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": settings.model_id,
+            "object": "model",
+            "created": state.loaded_at,
+            "owned_by": "diffusion-offload",
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> Any:
+        """The one model served."""
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Any:
+        """The model, if ``model_id`` is its id."""
+        if model_id != settings.model_id:
+            raise APIError(
+                404,
+                f"The model {model_id!r} does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # -------------------------------------------------------------- images
+
+    @app.post("/v1/images/generations")
+    async def images_generations(request: Request) -> Any:
+        """Generate ``n`` PNG images; answers when they are done."""
+        from ..engine.params import SamplingParams
+
+        media = _media_type(request)
+        if media != _JSON:
+            raise _wrong_content_type(media, (_JSON,))
+        try:
+            req = ImageGenerationRequest.model_validate_json(await request.body(), strict=True)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        engine = state.require_engine()
+        _check_model(state, req.model)
+        if engine.is_video:
+            raise APIError(
+                400,
+                f"The model {settings.model_id!r} generates videos; use POST /v1/videos.",
+                param="model",
+                code="unsupported_model",
+            )
+        check_limits(req, state.limits)
+        width, height = req.dimensions or (None, None)
+        n = req.n or 1
+        params = SamplingParams(
+            height=height,
+            width=width,
+            num_inference_steps=req.num_inference_steps,
+            guidance_scale=req.guidance_scale,
+            seed=req.seed if req.seed is not None else random_seed(),
+            num_outputs_per_prompt=n,
+        )
+        prompt = (
+            req.prompt
+            if req.negative_prompt is None
+            else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
+        )
+        job = Job("image", JobSpec(prompt, params, size=req.size))
+        pngs = await state.run_and_wait(job)
+        return {
+            "created": int(time.time()),
+            "data": [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs],
+        }
+
+    # -------------------------------------------------------------- videos
+
+    def get_job(video_id: str) -> Job:
+        job = state.jobs.get(video_id)
+        if job is None:
+            raise APIError(
+                404, f"No video job with id {video_id!r}.", param="video_id", code="video_not_found"
+            )
+        return job
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> Any:
+        """Queue a video job; poll ``GET /v1/videos/{id}``."""
+        from ..engine.params import SamplingParams
+
+        media = _media_type(request)
+        try:
+            if media == _JSON:
+                req = VideoGenerationRequest.model_validate_json(await request.body(), strict=True)
+            elif media in _FORMS:
+                form = await request.form()
+                try:
+                    data = form_to_dict(list(form.multi_items()))
+                finally:
+                    await form.close()
+                req = VideoGenerationRequest.model_validate(data, strict=False)
+            else:
+                raise _wrong_content_type(media, (_JSON,) + _FORMS)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        engine = state.require_engine()
+        _check_model(state, req.model)
+        if not engine.is_video:
+            raise APIError(
+                400,
+                f"The model {settings.model_id!r} generates images; "
+                "use POST /v1/images/generations.",
+                param="model",
+                code="unsupported_model",
+            )
+        check_limits(req, state.limits)
+        width, height = req.dimensions or (None, None)
+        params = SamplingParams(
+            height=height,
+            width=width,
+            num_frames=req.num_frames,
+            fps=req.fps,
+            num_inference_steps=req.num_inference_steps,
+            guidance_scale=req.guidance_scale,
+            guidance_scale_2=req.guidance_scale_2,
+            seed=req.seed if req.seed is not None else random_seed(),
+        )
+        prompt = (
+            req.prompt
+            if req.negative_prompt is None
+            else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
+        )
+        job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size), store=True)
+        body = state.video_object(job, status=QUEUED)
+        state.submit(job)
+        return body
+
+    @app.get("/v1/videos")
+    async def list_videos(request: Request) -> Any:
+        """Video jobs, newest first (``order=asc``: oldest first), ``limit`` 1-100, ``after``."""
+        query = request.query_params
+        raw_limit = query.get("limit", "20")
+        try:
+            limit = int(raw_limit)
+            if not 1 <= limit <= 100:
+                raise ValueError
+        except ValueError:
+            raise APIError(
+                400,
+                f"Invalid value for 'limit': must be an integer from 1 to 100, got {raw_limit!r}.",
+                param="limit",
+                code="invalid_value",
+            ) from None
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(
+                400,
+                f"Invalid value for 'order': must be 'asc' or 'desc', got {order!r}.",
+                param="order",
+                code="invalid_value",
+            )
+        jobs = state.jobs.list()
+        if order == "desc":
+            jobs.reverse()
+        after = query.get("after")
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                raise APIError(
+                    400,
+                    f"Invalid value for 'after': no video job with id {after!r}.",
+                    param="after",
+                    code="invalid_value",
+                )
+            jobs = jobs[ids.index(after) + 1 :]
+        page = jobs[:limit]
+        return {
+            "object": "list",
+            "data": [state.video_object(j) for j in page],
+            "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None,
+            "has_more": len(jobs) > limit,
+        }
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve_video(video_id: str) -> Any:
+        """A video job: status, progress, and the error when failed."""
+        return state.video_object(get_job(video_id))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, request: Request) -> Response:
+        """The mp4 of a completed job (409 until then)."""
+        job = get_job(video_id)
+        variant = request.query_params.get("variant", "video")
+        if variant != "video":
+            raise APIError(
+                400,
+                f"Invalid value for 'variant': only 'video' is available, got {variant!r}.",
+                param="variant",
+                code="invalid_value",
+            )
+        if job.status != COMPLETED:
+            if job.status == "failed":
+                message = f"Video {video_id} failed: {(job.error or {}).get('message')}"
+            else:
+                message = f"Video {video_id} is {job.status}; its content is not ready."
+            raise APIError(409, message, param="video_id", code="video_not_ready")
+        return Response(
+            job.result,
+            media_type="video/mp4",
+            headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'},
+        )
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(video_id: str) -> Any:
+        """Cancel a queued job or delete a finished one (409 while in progress)."""
+        try:
+            state.jobs.delete(video_id)
+        except KeyError:
+            raise APIError(
+                404, f"No video job with id {video_id!r}.", param="video_id", code="video_not_found"
+            ) from None
+        except JobInProgress:
+            raise APIError(
+                409,
+                f"Video {video_id} is in progress; it cannot be deleted until it finishes.",
+                param="video_id",
+                code="video_in_progress",
+            ) from None
+        return {"id": video_id, "object": "video.deleted", "deleted": True}

@@ -1,0 +1,257 @@
+"""Request models of the HTTP API and their validation into OpenAI-style 400 errors.
+
+JSON bodies are validated strictly (``"n": "2"`` is a type error); multipart and
+url-encoded forms, whose values are all text, in lax mode (``"2"`` becomes 2). Unknown
+fields are rejected (``extra="forbid"``), so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import APIError
+
+__all__ = [
+    "ImageGenerationRequest",
+    "Limits",
+    "VideoGenerationRequest",
+    "check_limits",
+    "form_to_dict",
+    "parse_size",
+    "validation_error",
+]
+
+MAX_PROMPT_CHARS = 10_000
+MAX_SEED = 2**62
+MAX_SIDE = 16_384
+_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``"WxH"`` -> ``(width, height)``.
+
+    Raises:
+        ValueError: not of the form ``WxH`` with positive integers up to 16384.
+    """
+    match = _SIZE.match(size)
+    if not match:
+        raise ValueError(f"size must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}")
+    width, height = int(match.group(1)), int(match.group(2))
+    if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):
+        raise ValueError(f"size {size!r}: width and height must be between 1 and {MAX_SIDE}")
+    return width, height
+
+
+def _check_size(value: str | None) -> str | None:
+    if value is None or value == "auto":
+        return None
+    width, height = parse_size(value)
+    return f"{width}x{height}"
+
+
+_Prompt = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+_Steps = Field(None, ge=1)
+_Guidance = Field(None, ge=0, le=1000, allow_inf_nan=False)
+_Seed = Field(None, ge=0, le=MAX_SEED)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("size", check_fields=False)
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        return _check_size(value)
+
+    @property
+    def dimensions(self) -> tuple[int, int] | None:
+        """``(width, height)`` of ``size``, or None for the pipeline's default."""
+        size = getattr(self, "size", None)
+        return parse_size(size) if size else None
+
+
+class ImageGenerationRequest(_Request):
+    """Body of ``POST /v1/images/generations`` (OpenAI's fields plus sampling knobs).
+
+    ``size`` ``"auto"`` or absent takes the pipeline's default; ``user`` is accepted and
+    ignored; ``seed`` absent picks a random one; image ``i`` of ``n`` uses ``seed + i``.
+    """
+
+    prompt: str = _Prompt
+    model: str | None = None
+    n: int | None = Field(None, ge=1, le=10)
+    size: str | None = None
+    response_format: Literal["b64_json"] | None = None
+    user: str | None = None
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    num_inference_steps: int | None = _Steps
+    guidance_scale: float | None = _Guidance
+    seed: int | None = _Seed
+
+
+class VideoGenerationRequest(_Request):
+    """Body of ``POST /v1/videos`` (JSON or form).
+
+    ``seconds`` of OpenAI's API is not a field: the length is ``num_frames`` at ``fps``.
+    """
+
+    prompt: str = _Prompt
+    model: str | None = None
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    size: str | None = None
+    num_frames: int | None = Field(None, ge=1)
+    fps: int | None = Field(None, ge=1, le=240)
+    num_inference_steps: int | None = _Steps
+    guidance_scale: float | None = _Guidance
+    guidance_scale_2: float | None = _Guidance
+    seed: int | None = _Seed
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 ``APIError`` whose ``param`` names the field."""
+    err = exc.errors(include_url=False)[0]
+    loc = err.get("loc") or ()
+    param = str(loc[0]) if loc else None
+    kind = err["type"]
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    if kind == "json_invalid":
+        return APIError(
+            400, f"We could not parse the JSON body of your request: {msg}", code="invalid_json"
+        )
+    if param is None:
+        return APIError(400, "The request body must be a JSON object.", code="invalid_body")
+    if kind == "missing":
+        return APIError(
+            400,
+            f"Missing required parameter: '{param}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
+    if kind == "extra_forbidden":
+        return APIError(
+            400,
+            f"Unrecognized request argument supplied: '{param}'.",
+            param=param,
+            code="unknown_parameter",
+        )
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return APIError(
+            400, f"Invalid type for '{param}': {msg}.", param=param, code="invalid_type"
+        )
+    return APIError(400, f"Invalid value for '{param}': {msg}.", param=param, code="invalid_value")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server limits and the pipeline's size rules.
+
+    Attributes:
+        max_pixels: largest ``width * height``.
+        max_frames: most frames per video.
+        max_steps: most denoising steps.
+        size_multiple: width and height must be multiples of this.
+        frame_step: ``num_frames - 1`` must be a multiple of this (video pipelines), or None.
+        call_params: keyword arguments the pipeline's ``__call__`` takes, or None (unknown).
+    """
+
+    max_pixels: int
+    max_frames: int
+    max_steps: int
+    size_multiple: int = 16
+    frame_step: int | None = None
+    call_params: frozenset[str] | None = None
+
+
+def check_limits(req: ImageGenerationRequest | VideoGenerationRequest, limits: Limits) -> None:
+    """Server limits and pipeline support of the fields given.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    dims = req.dimensions
+    if dims is not None:
+        width, height = dims
+        if width * height > limits.max_pixels:
+            raise APIError(
+                400,
+                f"Invalid value for 'size': {width}x{height} is {width * height} pixels, over this "
+                f"server's limit of {limits.max_pixels} (--max-pixels).",
+                param="size",
+                code="invalid_value",
+            )
+        m = limits.size_multiple
+        if width % m or height % m:
+            raise APIError(
+                400,
+                f"Invalid value for 'size': width and height must be multiples of {m}, "
+                f"got {width}x{height}.",
+                param="size",
+                code="invalid_value",
+            )
+    steps = req.num_inference_steps
+    if steps is not None and steps > limits.max_steps:
+        raise APIError(
+            400,
+            f"Invalid value for 'num_inference_steps': {steps} is over this server's limit of "
+            f"{limits.max_steps} (--max-steps).",
+            param="num_inference_steps",
+            code="invalid_value",
+        )
+    frames = getattr(req, "num_frames", None)
+    if frames is not None:
+        if frames > limits.max_frames:
+            raise APIError(
+                400,
+                f"Invalid value for 'num_frames': {frames} is over this server's limit of "
+                f"{limits.max_frames} (--max-frames).",
+                param="num_frames",
+                code="invalid_value",
+            )
+        if limits.frame_step and (frames - 1) % limits.frame_step:
+            raise APIError(
+                400,
+                f"Invalid value for 'num_frames': this pipeline needs num_frames - 1 to be a "
+                f"multiple of {limits.frame_step} (e.g. {limits.frame_step + 1}, "
+                f"{2 * limits.frame_step + 1}), got {frames}.",
+                param="num_frames",
+                code="invalid_value",
+            )
+    if limits.call_params is not None:
+        for name in ("negative_prompt", "guidance_scale", "guidance_scale_2"):
+            if getattr(req, name, None) is not None and name not in limits.call_params:
+                raise APIError(
+                    400,
+                    f"Unsupported parameter '{name}': this model's pipeline does not take it.",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+
+
+def form_to_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Form fields as a dict for lax validation.
+
+    Raises:
+        APIError: a file upload or a repeated field (400 naming it).
+    """
+    out: dict[str, Any] = {}
+    for key, value in items:
+        if not isinstance(value, str):
+            raise APIError(
+                400,
+                f"Invalid type for '{key}': file uploads are not supported.",
+                param=key,
+                code="invalid_type",
+            )
+        if key in out:
+            raise APIError(
+                400,
+                f"Invalid value for '{key}': the field is given more than once.",
+                param=key,
+                code="invalid_value",
+            )
+        out[key] = value
+    return out

@@ -1,0 +1,327 @@
+"""Server settings and state: the engine (loaded in the background), the jobs, the metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .engine_adapter import ProgressTracker, call_params, frame_step
+from .errors import APIError
+from .jobs import (
+    COMPLETED,
+    IN_PROGRESS,
+    QUEUED,
+    Job,
+    JobAbandoned,
+    JobManager,
+    QueueFull,
+    ShuttingDown,
+)
+from .metrics import ServerMetrics
+from .schemas import Limits
+
+__all__ = ["DEFAULT_FPS", "JobSpec", "ServerSettings", "ServerState", "random_seed"]
+
+logger = logging.getLogger("diffusion_offload.server")
+
+_MAX_SEED = 2**31 - 1
+DEFAULT_FPS = 16
+"""Frames per second of a video job that gives no ``fps``."""
+
+
+def random_seed() -> int:
+    """A seed for a request that gives none."""
+    return secrets.randbelow(_MAX_SEED)
+
+
+@dataclass
+class ServerSettings:
+    """Settings of one server (the ``serve`` flags).
+
+    Attributes:
+        model_id: the model as given on the command line (the id in ``/v1/models``).
+        api_key: bearer token required on ``/v1/`` routes, or None.
+        max_queue: most jobs waiting (the running one not counted); more answer 429.
+        max_pixels: largest ``width * height`` of a request.
+        max_frames: most frames per video.
+        max_steps: most denoising steps per request.
+        max_body_bytes: largest request body; more answer 413.
+        shutdown_grace: seconds the running job gets on shutdown before it is marked failed.
+        size_multiple: width and height must be multiples of this (16 suits Flux, SD3,
+            Wan and Qwen-Image).
+    """
+
+    model_id: str
+    api_key: str | None = None
+    max_queue: int = 32
+    max_pixels: int = 1024 * 1024
+    max_frames: int = 129
+    max_steps: int = 100
+    max_body_bytes: int = 1_048_576
+    shutdown_grace: float = 30.0
+    size_multiple: int = 16
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("max_queue", 1),
+            ("max_pixels", 1),
+            ("max_frames", 1),
+            ("max_steps", 1),
+            ("max_body_bytes", 1),
+            ("size_multiple", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value!r}"
+                )
+        if not isinstance(self.shutdown_grace, (int, float)) or not self.shutdown_grace >= 0:
+            raise ValueError(f"--shutdown-grace must be a number >= 0, got {self.shutdown_grace!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        """Settings from the parsed ``serve`` arguments.
+
+        Raises:
+            ValueError: a limit out of range.
+        """
+        names = {f.name for f in fields(cls)} - {"model_id"}
+        values = {
+            name: getattr(args, name) for name in names if getattr(args, name, None) is not None
+        }
+        return cls(model_id=str(args.model), **values)
+
+
+@dataclass
+class JobSpec:
+    """What the worker needs to run a job: the prompt item, ``SamplingParams``, fps, size."""
+
+    prompt: Any
+    params: Any
+    fps: int | None = None
+    size: str | None = None
+
+
+def _error_code(exc: BaseException) -> str:
+    if type(exc).__name__ == "OutOfMemoryError":
+        return "out_of_memory"
+    if isinstance(exc, (ValueError, TypeError)):
+        return "invalid_request"
+    return "generation_failed"
+
+
+class ServerState:
+    """Everything one app serves: settings, engine (loaded in the background), jobs, metrics.
+
+    Args:
+        engine: an engine (``generate``, ``is_video``; ``stats``, ``pipeline``, ``close``
+            if present) or a factory returning one, called on a background thread at startup.
+        settings: the server settings.
+    """
+
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        self.settings = settings
+        if hasattr(engine, "generate"):
+            self._factory: Callable[[], Any] | None = None
+            self.owns_engine = False
+        elif callable(engine):
+            self._factory, engine = engine, None
+            self.owns_engine = True
+        else:
+            raise TypeError(f"create_app needs an engine or a factory of one, got {engine!r}")
+        self.engine: Any = None
+        self.limits = Limits(
+            settings.max_pixels, settings.max_frames, settings.max_steps, settings.size_multiple
+        )
+        self.load_error: BaseException | None = None
+        self.loaded_at: int = int(time.time())
+        self.shutting_down = False
+        self.request_shutdown: Callable[[], None] | None = None
+        self.progress = ProgressTracker()
+        self.jobs = JobManager(self._run_job, settings.max_queue, error_code=_error_code)
+        self.metrics = ServerMetrics(
+            engine=lambda: self.engine,
+            queue_depth=lambda: self.jobs.queue_depth,
+            running=lambda: 0 if self.jobs.running is None else 1,
+        )
+        self.jobs.on_finish = self.metrics.observe_job
+        self._loader: threading.Thread | None = None
+        if engine is not None:
+            self._publish(engine)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _publish(self, engine: Any) -> None:
+        self.limits = Limits(
+            self.settings.max_pixels,
+            self.settings.max_frames,
+            self.settings.max_steps,
+            self.settings.size_multiple,
+            frame_step(engine),
+            call_params(engine),
+        )
+        self.progress.install(engine)
+        self.loaded_at = int(time.time())
+        self.engine = engine  # last: requests see a fully prepared engine
+
+    def _load(self) -> None:
+        start = time.perf_counter()
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # noqa: BLE001 - reported on /health and by serve()
+            self.load_error = exc
+            logger.error("diffusion-offload: error: the model failed to load: %s", exc)
+            if self.request_shutdown is not None:
+                self.request_shutdown()
+            return
+        self._publish(engine)
+        logger.info(
+            "model %s loaded in %.1f s", self.settings.model_id, time.perf_counter() - start
+        )
+
+    @property
+    def loading(self) -> bool:
+        """True while the background load is still running."""
+        return self._loader is not None and self._loader.is_alive()
+
+    def start(self) -> None:
+        """Start the worker, and the background load when built from a factory."""
+        self.jobs.start()
+        if self._factory is not None and self._loader is None:
+            self._loader = threading.Thread(
+                target=self._load, name="diffusion-offload-loader", daemon=True
+            )
+            self._loader.start()
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting work; the running job gets ``shutdown_grace`` seconds."""
+        self.shutting_down = True
+        self.jobs.begin_shutdown(self.settings.shutdown_grace)
+
+    def stop(self) -> None:
+        """Shut down (blocking up to the grace), then close the engine if this state built it."""
+        self.shutting_down = True
+        idle = self.jobs.shutdown(self.settings.shutdown_grace)
+        if self.owns_engine and idle and self.engine is not None and hasattr(self.engine, "close"):
+            try:
+                self.engine.close()
+            except Exception:
+                logger.exception("closing the engine failed")
+
+    # ------------------------------------------------------------------ jobs
+
+    def require_engine(self) -> Any:
+        """The loaded engine.
+
+        Raises:
+            APIError: 503 while loading, after a failed load, or while shutting down.
+        """
+        if self.shutting_down:
+            raise APIError(503, "The server is shutting down.", code="shutting_down")
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(
+                    503, f"The model failed to load: {self.load_error}", code="model_load_failed"
+                )
+            raise APIError(503, "The model is still loading; retry shortly.", code="model_loading")
+        return self.engine
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``.
+
+        Raises:
+            APIError: 429 when the queue is full, 503 when shutting down.
+        """
+        try:
+            self.jobs.submit(job)
+        except QueueFull as exc:
+            raise APIError(
+                429, f"Too many requests: {exc}.", code="queue_full", headers={"Retry-After": "1"}
+            ) from None
+        except ShuttingDown:
+            raise APIError(503, "The server is shutting down.", code="shutting_down") from None
+
+    async def run_and_wait(self, job: Job) -> Any:
+        """Queue ``job``, wait for it without blocking the event loop, return its result.
+
+        Raises:
+            APIError: 429/503 from :meth:`submit`; the job's failure (400 for invalid
+            parameters, 503 when cut short by shutdown, else 500).
+        """
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake(_: Job) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        job.add_done_callback(wake)
+        self.submit(job)
+        try:
+            await done
+        except asyncio.CancelledError:
+            self.jobs.cancel(job)
+            raise
+        if job.status == COMPLETED:
+            return job.result
+        error = job.error or {"code": "generation_failed", "message": "the job failed"}
+        status = {"invalid_request": 400, "server_shutdown": 503, "cancelled": 503}.get(
+            error["code"], 500
+        )
+        raise APIError(status, f"Generation failed: {error['message']}", code=error["code"])
+
+    def _run_job(self, job: Job) -> Any:
+        from ..engine.media import encode_png, encode_video
+
+        spec: JobSpec = job.payload
+        engine = self.engine
+        outputs = spec.params.num_outputs_per_prompt or 1
+
+        def report(percent: float) -> None:  # called after every denoising step
+            if job.status != IN_PROGRESS:  # marked failed by the shutdown grace: stop now
+                raise JobAbandoned(f"job {job.id} was abandoned")
+            job.progress = percent
+
+        self.progress.begin(outputs, report)
+        try:
+            result = engine.generate(spec.prompt, spec.params)[0]
+        finally:
+            self.progress.end()
+        self.metrics.observe_peak_memory(getattr(result, "peak_device_memory_bytes", 0) or 0)
+        if job.kind == "image":
+            return [encode_png(image) for image in result.images]
+        return encode_video(result.frames[0], spec.fps or DEFAULT_FPS, ".mp4")
+
+    # ------------------------------------------------------------------ views
+
+    def video_object(self, job: Job, status: str | None = None) -> dict[str, Any]:
+        """OpenAI's video object for ``job`` (plus ``num_frames``, ``fps``, ``seed``)."""
+        spec: JobSpec = job.payload
+        params = spec.params
+        fps = spec.fps or DEFAULT_FPS
+        status = status or job.status
+        return {
+            "id": job.id,
+            "object": "video",
+            "model": self.settings.model_id,
+            "status": status,
+            "progress": 0 if status == QUEUED else int(job.progress),
+            "created_at": int(job.created_at),
+            "completed_at": int(job.completed_at)
+            if job.completed_at and status != QUEUED
+            else None,
+            "size": spec.size,
+            "num_frames": params.num_frames,
+            "fps": fps,
+            "seconds": None if params.num_frames is None else f"{params.num_frames / fps:g}",
+            "seed": params.seed,
+            "error": job.error if status == "failed" else None,
+        }
