@@ -154,6 +154,9 @@ class FakeDeviceTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return f"FakeDeviceTensor({self._inner!r}, device='{_DEVICE}')"
 
+    def tolist(self) -> Any:  # noqa: D102 - as on CUDA: a device->host copy, then Python values
+        return self.cpu().tolist()
+
     @classmethod
     @torch.compiler.disable
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: D105
@@ -288,6 +291,18 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     return FakeDeviceTensor(inner)
 
 
+@torch.compiler.disable
+def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten::_copy_from`` for copies that reach the backend below Python dispatch
+    (``torch.tensor(data, device="fakegpu")`` copies this way)."""
+    if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(self):
+        _count_copy("h2d", _nbytes(dst))
+    elif _is_host_tensor(dst) and isinstance(self, FakeDeviceTensor):
+        _count_copy("d2h", _nbytes(dst))
+    _unwrap(dst).copy_(_unwrap(self))
+    return dst
+
+
 def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
     out = torch.empty_like(self, memory_format=torch.preserve_format)
     out.copy_(self)
@@ -396,6 +411,7 @@ def install() -> torch.device:
         dev_lib = torch.library.Library("aten", "IMPL", "PrivateUse1")
         dev_lib.impl("empty.memory_format", _empty_memory_format)
         dev_lib.impl("empty_strided", _empty_strided)
+        dev_lib.impl("_copy_from", _copy_from)
         cpu_lib = torch.library.Library("aten", "IMPL", "CPU")
         cpu_lib.impl("_pin_memory", _pin_memory)
         cpu_lib.impl("is_pinned", _is_pinned)
