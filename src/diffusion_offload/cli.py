@@ -27,11 +27,16 @@ from typing import Any, NoReturn
 __all__ = ["default_model_dir", "main"]
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 FAKE_CAPACITY_ENV = "DIFFUSION_OFFLOAD_FAKE_CAPACITY"
 
 
 class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
+    """A user error: printed as one line, exit status 2 (or ``status``)."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Parser(argparse.ArgumentParser):
@@ -200,6 +205,8 @@ def _summary(output: Any, report: dict[str, Any]) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+
     from .engine import FitError, ModelError, Omni, SamplingParams
     from .engine.media import check_output_path, encode_png, encode_video, write_atomic
     from .engine.model_files import inspect_model, resolve_model
@@ -207,6 +214,11 @@ def _generate(args: argparse.Namespace) -> int:
     config = parse_config_args(args)
     report_path = _check_writable(args.report, "--report")
     trace_path = _check_writable(args.trace, "--trace")
+    if args.output is not None:  # what does not depend on the model, before loading its code
+        try:
+            check_output_path(args.output, None)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     embedded = args.model is None
     with _quiet_libraries():
         try:
@@ -243,7 +255,14 @@ def _generate(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     with engine:
         prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt} if args.negative_prompt else args.prompt
-        result = engine.generate(prompt, params)[0]
+        try:
+            result = engine.generate(prompt, params)[0]
+        except torch.OutOfMemoryError as exc:
+            message = " ".join(str(exc).split())
+            raise CliError(
+                f"{message} (try a config that offloads more components, or a smaller size)",
+                EXIT_FAILURE,
+            ) from None
         fps = params.fps or 16
         if info.is_video:
             data = encode_video(result.frames[0], fps, out_path.suffix.lower())
@@ -296,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     except CliError as exc:
         print(f"diffusion-offload: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.status
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ IMAGE_EXTENSIONS = (".png",)
 VIDEO_EXTENSIONS = (".mp4", ".gif")
 
 
-def check_output_path(path: str | os.PathLike, is_video: bool) -> Path:
+def check_output_path(path: str | os.PathLike, is_video: bool | None) -> Path:
     """Validate an output path before any work is done.
+
+    ``is_video=None`` (the model's kind not known yet) checks only what does not depend
+    on it: a known extension and a writable folder.
 
     Raises:
         ValueError: the extension is unknown or does not fit the output kind (``.png``
@@ -34,11 +37,15 @@ def check_output_path(path: str | os.PathLike, is_video: bool) -> Path:
     """
     out = Path(path)
     ext = out.suffix.lower()
-    allowed = VIDEO_EXTENSIONS if is_video else IMAGE_EXTENSIONS
+    if is_video is None:
+        allowed, what = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, "images and videos"
+    else:
+        allowed = VIDEO_EXTENSIONS if is_video else IMAGE_EXTENSIONS
+        what = f"this {'video' if is_video else 'image'} model"
     if ext not in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS:
         raise ValueError(
             f"output {str(out)!r} has unknown extension {ext or '(none)'!r}; allowed: "
-            f"{list(allowed)} for this {'video' if is_video else 'image'} model"
+            f"{list(allowed)} for {what}"
         )
     if ext not in allowed:
         kind = "a video" if is_video else "an image"

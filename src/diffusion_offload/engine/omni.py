@@ -132,6 +132,42 @@ class _StageTimer:
         self.handles = []
 
 
+def _clear_method_caches(pipeline: Any) -> None:
+    """Clear ``functools.lru_cache`` methods of the pipeline's module classes.
+
+    Some models memoize device tensors in a method cache keyed on ``(self, device)``
+    (diffusers' ``QwenEmbedRope``, through ``lru_cache_unless_export``, which keeps the
+    ``lru_cache`` in its wrapper's closure); such a cache keeps the module and its device
+    tensors alive after the pipeline is dropped, so ``close`` clears it. The caches are
+    per class: other live engines with the same classes just recompute their entries.
+    """
+
+    def caches(func: Any) -> list[Any]:
+        is_cache = callable(getattr(func, "cache_clear", None)) and hasattr(func, "cache_info")
+        found = [func] if is_cache else []
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # empty cell
+                continue
+            if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+                found.append(value)
+        return found
+
+    seen: set[type] = set()
+    for component in getattr(pipeline, "components", {}).values():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        for module in component.modules():
+            for cls in type(module).__mro__:
+                if cls in seen or cls.__module__.startswith(("torch.", "builtins")):
+                    continue
+                seen.add(cls)
+                for attr in vars(cls).values():
+                    for cache in caches(getattr(attr, "__func__", attr)):  # (static/class methods)
+                        cache.cache_clear()
+
+
 def _normalize_prompts(prompts: Any) -> list[tuple[str, str | None]]:
     items = prompts if isinstance(prompts, list) else [prompts]
     if not items:
@@ -394,6 +430,7 @@ class Omni:
         if self.backend is not None:
             self.backend.disable()
         self._timer.remove()
+        _clear_method_caches(self.pipeline)
         self.pipeline = None
         gc.collect()
         self.platform.empty_cache()

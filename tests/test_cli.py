@@ -1,0 +1,364 @@
+"""``diffusion-offload generate`` / ``make-tiny`` through the real CLI in subprocesses
+(issue 4 "Must show", CLI part).
+
+Every bad input must exit with status 2, print exactly one line on stderr,
+``diffusion-offload: error: ...``, naming the problem, and write nothing: each case runs
+in its own empty working folder with ``--output``, ``--report`` and ``--trace`` pointing
+into it (or defaulting to it), and the folder must still be empty afterwards.
+
+Each CLI start costs seconds of imports, so all the processes of this module are started
+up front, a few at a time (one per CPU), and the tests check their results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffusion_offload.config import parse_diffusion_offload_config
+from diffusion_offload.engine.fit import footprint
+from diffusion_offload.engine.model_files import inspect_model
+from diffusion_offload.testing import tiny_pipelines
+
+FULL = {"mode": "module", "components": ["dit", "text_encoder"]}
+FULL_JSON = json.dumps(FULL)
+PREFIX = "diffusion-offload: error: "
+TIMEOUT = 600
+
+
+@dataclass
+class Case:
+    """One CLI run: ``argv`` after the program name, with ``{out}`` (the run's own empty
+    folder, also its working folder) and ``{root}`` (shared inputs) filled in."""
+
+    argv: list[str]
+    expect: list[str] = field(default_factory=list)  # substrings of the error line
+    env: dict[str, str] = field(default_factory=dict)
+    entry_point: bool = False  # run the ``diffusion-offload`` console script
+
+
+def _can_create_in(folder: Path) -> bool:
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def _read_only_folder(root: Path, cleanups: list) -> Path | None:
+    """A folder where no file can be created, also for root (for whom mode bits do not count)."""
+    folder = root / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    cleanups.append(lambda: folder.chmod(0o755))
+    if not _can_create_in(folder):
+        return folder
+    if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+        cleanups.insert(0, lambda: subprocess.run(["chattr", "-i", str(folder)], capture_output=True))
+        if not _can_create_in(folder):
+            return folder
+    for candidate in (Path("/sys"), Path("/proc")):
+        if candidate.is_dir() and not _can_create_in(candidate):
+            return candidate
+    return None
+
+
+def _write_index(folder: Path, spec: object) -> Path:
+    folder.mkdir()
+    (folder / "model_index.json").write_text(spec if isinstance(spec, str) else json.dumps(spec))
+    return folder
+
+
+def _bad_cases(root: Path, read_only: Path | None, need_full: int) -> dict[str, Case]:
+    flux = ["--model", "{root}/flux"]
+    out_png = ["--output", "{out}/out.png", "--report", "{out}/report.json", "--trace", "{out}/trace.json"]
+    cases = {
+        "missing_directory": Case(
+            ["--model", "{root}/no-such-model-dir", *out_png], ["'{root}/no-such-model-dir'", "not an existing directory"]
+        ),
+        "unknown_hub_id_offline": Case(
+            ["--model", "nobody-org/no-such-model", *out_png],
+            ["'nobody-org/no-such-model'", "not found in the local Hugging Face cache", "HF_HUB_OFFLINE=1"],
+        ),
+        "not_a_diffusers_pipeline": Case(
+            ["--model", "{root}/not-a-pipeline", *out_png], ["not a diffusers pipeline", "no model_index.json"]
+        ),
+        "unsupported_class_image_to_video": Case(
+            ["--model", "{root}/wan-i2v", *out_png], ["'WanImageToVideoPipeline' is not supported"]
+        ),
+        "invalid_json_config": Case(
+            [*flux, "--diffusion-offload-config", '{"mode": "module",', *out_png],
+            ["--diffusion-offload-config is not valid JSON"],
+        ),
+        "invalid_config": Case(
+            [*flux, "--diffusion-offload-config", '{"mode": "module", "components": ["vae"]}', *out_png],
+            ["--diffusion-offload-config", "'vae'"],
+        ),
+        "output_folder_missing": Case(
+            [*flux, "--output", "{out}/missing/out.png", "--report", "{out}/report.json"],
+            ["'{out}/missing/out.png'", "does not exist"],
+        ),
+        "unknown_output_extension": Case(
+            [*flux, "--output", "{out}/out.jpg", "--report", "{out}/report.json"], ["unknown extension '.jpg'"]
+        ),
+        "video_extension_for_image_model": Case(
+            [*flux, "--output", "{out}/out.mp4", "--report", "{out}/report.json"], ["produces an image", ".png"]
+        ),
+        "image_extension_for_video_model": Case(  # the embedded default (Wan2.2) makes videos
+            ["--output", "{out}/out.png", "--report", "{out}/report.json"], ["produces a video", ".mp4"]
+        ),
+        "config_does_not_fit": Case(  # no offload needs more than is free; the full config fits
+            [*flux, "--device", "fakegpu", *out_png],
+            ["model does not fit", "config no offload needs", f"only {need_full} bytes are free",
+             f"try --diffusion-offload-config '{parse_diffusion_offload_config(FULL).to_json()}'"],
+            env={"DIFFUSION_OFFLOAD_FAKE_CAPACITY": str(need_full)},
+        ),
+        "bad_dtype": Case([*flux, "--dtype", "float64", *out_png], ["--dtype", "'float64'"]),
+        "num_frames_for_image_model": Case(
+            [*flux, "--num-frames", "5", *out_png], ["--num-frames", "FluxPipeline makes images"]
+        ),
+    }
+    if read_only is not None:
+        cases["output_folder_read_only"] = Case(
+            [*flux, "--output", f"{read_only}/out.png"], [f"'{read_only}/out.png' is not writable"]
+        )
+    return cases
+
+
+def _good_cases() -> dict[str, Case]:
+    return {
+        "mp4_embedded_default": Case(  # fresh cache: the default model is built on first use
+            [
+                "--device", "fakegpu", "--diffusion-offload-config", FULL_JSON,
+                "--num-frames", "5", "--height", "32", "--width", "48", "--fps", "8", "--seed", "1",
+                "--output", "{out}/video.mp4", "--report", "{out}/report.json", "--trace", "{out}/trace.json",
+            ],
+            env={"DIFFUSION_OFFLOAD_CACHE": "{out}/cache"},
+        ),
+        "gif_embedded_default_cpu": Case(
+            ["--device", "cpu", "--num-frames", "5", "--fps", "8", "--output", "{out}/anim.gif"]
+        ),
+        "png_flux": Case(
+            [
+                "--model", "{root}/flux", "--device", "fakegpu", "--diffusion-offload-config", "@{root}/full.json",
+                "--height", "32", "--width", "48", "--steps", "2", "--negative-prompt", "blurry",
+                "--output", "{out}/image.png", "--report", "{out}/report.json",
+            ]
+        ),
+    }
+
+
+def _run(name: str, case: Case, root: Path, out_root: Path, base_env: dict[str, str], command: str) -> dict:
+    out = out_root / name
+    out.mkdir()
+
+    def fill(text: str) -> str:
+        return text.replace("{out}", str(out)).replace("{root}", str(root))
+
+    env = dict(base_env)
+    env.update({k: fill(v) for k, v in case.env.items()})
+    if case.entry_point and shutil.which("diffusion-offload"):
+        program = [shutil.which("diffusion-offload")]
+    else:
+        program = [sys.executable, "-m", "diffusion_offload.cli"]
+    argv = [command, *(fill(a) for a in case.argv)] if command else [fill(a) for a in case.argv]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        program + argv, cwd=out, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    return {
+        "out": out, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+        "expect": [fill(e) for e in case.expect], "seconds": time.perf_counter() - start,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start every CLI run of this module (a few in parallel); name -> result."""
+    root = tmp_path_factory.mktemp("cli-inputs")
+    out_root = tmp_path_factory.mktemp("cli-runs")
+    cleanups: list = []
+    tiny_pipelines.save("flux", root / "flux")
+    tiny_pipelines.save("wan2.2", root / "cache" / "tiny-wan2.2")  # the embedded default, prebuilt
+    (root / "not-a-pipeline").mkdir()
+    (root / "not-a-pipeline" / "config.json").write_text("{}")
+    _write_index(root / "wan-i2v", {"_class_name": "WanImageToVideoPipeline", "_diffusers_version": "0.42.0"})
+    (root / "full.json").write_text(FULL_JSON)
+    need_full = footprint(inspect_model(root / "flux"), parse_diffusion_offload_config(FULL), 4, True).device_bytes
+    read_only = _read_only_folder(root, cleanups)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFUSION_OFFLOAD_", "HF_"))}
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(root / "hf-home"),
+        "HF_HUB_CACHE": str(root / "hf-home" / "hub"),
+        "DIFFUSION_OFFLOAD_CACHE": str(root / "cache"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    jobs = {f"bad/{n}": ("generate", c) for n, c in _bad_cases(root, read_only, need_full).items()}
+    jobs.update({f"good/{n}": ("generate", c) for n, c in _good_cases().items()})
+    jobs["oom/flux"] = ("generate", Case(  # the weights fit, the activations do not
+        ["--model", "{root}/flux", "--device", "fakegpu", "--diffusion-offload-config", FULL_JSON,
+         "--output", "{out}/out.png", "--report", "{out}/report.json", "--trace", "{out}/trace.json"],
+        ["device out of memory during stage 'text_encoding'"],
+        env={"DIFFUSION_OFFLOAD_FAKE_CAPACITY": str(need_full + 1024)},
+    ))
+    jobs["make_tiny/sd3"] = ("make-tiny", Case(["sd3", "{out}/tiny-sd3"], entry_point=True))
+    jobs["make_tiny/bad_kind"] = ("make-tiny", Case(["sdxl", "{out}/tiny-sdxl"], ["kind 'sdxl' is not allowed"]))
+    order = sorted(jobs, key=lambda n: not n.startswith("good/"))  # the slow ones first
+    try:
+        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+            futures = {
+                n: pool.submit(_run, n.replace("/", "-"), jobs[n][1], root, out_root, env, jobs[n][0])
+                for n in order
+            }
+            results = {n: f.result() for n, f in futures.items()}
+        results["read_only_available"] = read_only is not None
+        yield results
+    finally:
+        for cleanup in cleanups:
+            cleanup()
+
+
+BAD = [
+    "missing_directory", "unknown_hub_id_offline", "not_a_diffusers_pipeline",
+    "unsupported_class_image_to_video", "invalid_json_config",
+    "invalid_config", "output_folder_missing", "output_folder_read_only", "unknown_output_extension",
+    "video_extension_for_image_model", "image_extension_for_video_model", "config_does_not_fit",
+    "bad_dtype", "num_frames_for_image_model",
+]
+
+
+def _check_one_error_line(result: dict) -> str:
+    detail = f"stdout={result['stdout']!r}\nstderr={result['stderr']!r}"
+    assert result["returncode"] == 2, detail
+    lines = result["stderr"].splitlines()
+    assert len(lines) == 1, detail
+    assert lines[0].startswith(PREFIX), detail
+    for text in result["expect"]:
+        assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+    assert result["stdout"] == "", detail
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input(runs, name):
+    if name == "output_folder_read_only" and not runs["read_only_available"]:
+        pytest.skip("no folder here refuses new files to this user")
+    result = runs[f"bad/{name}"]
+    _check_one_error_line(result)
+    assert sorted(p.name for p in result["out"].iterdir()) == [], "a bad input wrote files"
+
+
+def test_out_of_memory_during_the_request(runs):
+    """A device OOM while generating: one error line naming the stage, status 1, no files."""
+    result = runs["oom/flux"]
+    assert result["returncode"] == 1, result["stderr"]
+    assert "Traceback" not in result["stderr"]
+    last = result["stderr"].splitlines()[-1]
+    assert last.startswith(PREFIX)
+    for text in result["expect"]:
+        assert text in last
+    errors = [line for line in result["stderr"].splitlines() if line.startswith(PREFIX)]
+    assert errors == [last]
+    assert sorted(p.name for p in result["out"].iterdir()) == []
+
+
+def test_mp4_report_and_trace(runs):
+    import imageio.v2 as imageio
+
+    result = runs["good/mp4_embedded_default"]
+    assert result["returncode"] == 0, result["stderr"]
+    out = result["out"]
+    assert (out / "cache" / "tiny-wan2.2" / "model_index.json").is_file()  # built on first use
+    assert "building the embedded tiny Wan2.2 model" in result["stderr"]
+    assert not list((out / "cache").glob(".*")), "the atomic build left temporary folders"
+    assert sorted(p.name for p in out.iterdir()) == ["cache", "report.json", "trace.json", "video.mp4"]
+
+    video = np.stack(imageio.mimread(out / "video.mp4"))  # imageio-ffmpeg decodes it
+    assert video.shape == (5, 32, 48, 3)
+    assert video.dtype == np.uint8 and video.std() > 0
+
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= {
+        "model", "pipeline_class", "device", "config", "timings", "peak_device_memory_bytes", "offload_stats",
+    }
+    assert report["pipeline_class"] == "WanPipeline"
+    assert report["model"] == str(out / "cache" / "tiny-wan2.2")
+    assert report["device"] == "fakegpu:0"
+    assert parse_diffusion_offload_config(report["config"]) == parse_diffusion_offload_config(FULL)
+    assert set(report["timings"]) == {"load", "text_encoding", "denoising", "decoding", "total"}
+    assert all(v >= 0 for v in report["timings"].values())
+    assert report["peak_device_memory_bytes"] > 0
+    stats = report["offload_stats"]
+    assert set(stats) == {"h2d_bytes", "d2h_bytes", "loads", "evictions", "transfer_seconds"}
+    assert stats["loads"] == 2 and stats["h2d_bytes"] > 0  # transformer, then transformer_2
+
+    trace = json.loads((out / "trace.json").read_text())
+    assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert all(e["ph"] in ("X", "M") for e in trace["traceEvents"])
+    loads = [e for e in spans if e["name"] == "load"]
+    assert len(loads) == stats["loads"]
+    assert len([e for e in spans if e["name"] == "evict"]) == stats["evictions"]
+    assert {e["cat"] for e in loads} == {"transformer", "transformer_2"}
+    assert [e["name"] for e in spans if e["tid"] == 0] == ["text_encoding", "denoising", "decoding"]
+    assert len({e["tid"] for e in spans if e["tid"] != 0}) == len({e["cat"] for e in spans if e["tid"] != 0})
+
+
+def test_gif(runs):
+    from PIL import Image
+
+    result = runs["good/gif_embedded_default_cpu"]
+    assert result["returncode"] == 0, result["stderr"]
+    out = result["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["anim.gif"]
+    with Image.open(out / "anim.gif") as gif:
+        assert gif.format == "GIF" and gif.size == (32, 32)
+        assert gif.n_frames == 5
+
+
+def test_png_of_requested_size(runs):
+    from PIL import Image
+
+    result = runs["good/png_flux"]
+    assert result["returncode"] == 0, result["stderr"]
+    out = result["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["image.png", "report.json"]
+    with Image.open(out / "image.png") as image:
+        assert image.format == "PNG" and image.size == (48, 32)
+    report = json.loads((out / "report.json").read_text())
+    assert report["pipeline_class"] == "FluxPipeline" and report["device"] == "fakegpu:0"
+    assert report["offload_stats"]["loads"] >= 1
+
+
+def test_make_tiny(runs):
+    result = runs["make_tiny/sd3"]
+    assert result["returncode"] == 0, result["stderr"]
+    target = result["out"] / "tiny-sd3"
+    assert result["stdout"].strip() == str(target)
+    info = inspect_model(target)
+    assert info.pipeline_class == "StableDiffusion3Pipeline"
+    assert {"transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"} <= set(info.numels)
+
+
+def test_make_tiny_bad_kind(runs):
+    result = runs["make_tiny/bad_kind"]
+    line = _check_one_error_line(result)
+    for kind in tiny_pipelines.KINDS:
+        assert repr(kind) in line
+    assert sorted(p.name for p in result["out"].iterdir()) == []
