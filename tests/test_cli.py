@@ -130,6 +130,30 @@ def _bad_cases(root: Path, read_only: Path | None, need_full: int) -> dict[str, 
         "num_frames_for_image_model": Case(
             [*flux, "--num-frames", "5", *out_png], ["--num-frames", "FluxPipeline makes images"]
         ),
+        "config_json_string": Case(
+            [*flux, "--diffusion-offload-config", '"module"', *out_png], ["must be a JSON object", "'module'"]
+        ),
+        "config_duplicate_key": Case(
+            [*flux, "--diffusion-offload-config",
+             '{"mode": "module", "mode": "layer", "components": ["dit"]}', *out_png],
+            ["repeats key 'mode'"],
+        ),
+        "config_file_is_a_folder": Case(
+            [*flux, "--diffusion-offload-config", "@{root}", *out_png], ["is a folder"]
+        ),
+        "report_and_trace_same_file": Case(
+            [*flux, "--output", "{out}/out.png", "--report", "{out}/x.json", "--trace", "{out}/x.json"],
+            ["--report and --trace name the same file"],
+        ),
+        "seed_too_large": Case([*flux, "--seed", str(2**64), *out_png], ["seed must be < 2**63"]),
+        "device_not_available": Case([*flux, "--device", "cuda", *out_png], ["'cuda' is not available"]),
+        "height_not_a_multiple": Case(  # Wan's own input check, raised inside the pipeline call
+            ["--device", "cpu", "--height", "33", "--output", "{out}/out.mp4"], ["divisible by 16"],
+        ),
+        "num_frames_not_allowed": Case(
+            ["--device", "cpu", "--num-frames", "2", "--output", "{out}/out.mp4"],
+            ["num_frames - 1 must be a multiple of 4"],
+        ),
     }
     if read_only is not None:
         cases["output_folder_read_only"] = Case(
@@ -219,6 +243,10 @@ def runs(tmp_path_factory):
     ))
     jobs["make_tiny/sd3"] = ("make-tiny", Case(["sd3", "{out}/tiny-sd3"], entry_point=True))
     jobs["make_tiny/bad_kind"] = ("make-tiny", Case(["sdxl", "{out}/tiny-sdxl"], ["kind 'sdxl' is not allowed"]))
+    precious = root / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    jobs["make_tiny/refuses_foreign_folder"] = ("make-tiny", Case(["flux", str(precious)], ["refusing to replace"]))
     order = sorted(jobs, key=lambda n: not n.startswith("good/"))  # the slow ones first
     try:
         with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
@@ -239,7 +267,9 @@ BAD = [
     "unsupported_class_image_to_video", "invalid_json_config",
     "invalid_config", "output_folder_missing", "output_folder_read_only", "unknown_output_extension",
     "video_extension_for_image_model", "image_extension_for_video_model", "config_does_not_fit",
-    "bad_dtype", "num_frames_for_image_model",
+    "bad_dtype", "num_frames_for_image_model", "config_json_string", "config_duplicate_key",
+    "config_file_is_a_folder", "report_and_trace_same_file", "seed_too_large", "device_not_available",
+    "height_not_a_multiple", "num_frames_not_allowed",
 ]
 
 
@@ -354,6 +384,13 @@ def test_make_tiny(runs):
     info = inspect_model(target)
     assert info.pipeline_class == "StableDiffusion3Pipeline"
     assert {"transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"} <= set(info.numels)
+
+
+def test_make_tiny_refuses_a_foreign_folder(runs):
+    _check_one_error_line(runs["make_tiny/refuses_foreign_folder"])
+    precious = Path(runs["make_tiny/refuses_foreign_folder"]["out"]).parent
+    notes = list(Path(precious.parent).glob("cli-inputs*/precious/notes.txt"))
+    assert notes and notes[0].read_text() == "keep me"
 
 
 def test_make_tiny_bad_kind(runs):

@@ -255,3 +255,16 @@ def test_image_encoder_is_unselectable_but_evicts_dits(fake_device, saved):
     legacy = ModelLevelOffloadBackend(parse_diffusion_offload_config(None, enable_cpu_offload=True), fake_device)
     legacy.enable(legacy_pipe)
     assert legacy.components["image_encoder"].selected
+
+
+def test_offload_inside_inference_mode(fake_device, saved):
+    path = saved("flux")
+    reference = _run(_load(path).to(fake_device), "flux")
+    pipe = _load(path)
+    backend = ModelLevelOffloadBackend(FULL, fake_device)
+    backend.enable(pipe)
+    with torch.inference_mode():
+        for _ in range(2):
+            assert np.abs(_run(pipe, "flux") - reference).max() <= 1e-6
+    assert backend.stats.d2h_bytes == 0
+    assert not any(p.is_inference() for p in pipe.transformer.parameters())

@@ -140,6 +140,7 @@ def test_offload_matches_all_resident(kind, source, models, request, fake_device
         model = HUB_ID
     params = _params(kind, seed=3)
     prompt = "a cat on a mat"
+    gc.collect()  # earlier tests' garbage must not be freed inside the measurement
     baseline = fa.stats()["allocated_bytes"]
 
     with Omni(path, None, device="fakegpu", progress=False) as resident:

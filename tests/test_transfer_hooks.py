@@ -417,3 +417,55 @@ def test_dtensor_moves_shard_locally_and_is_not_pinned(fake_device):
         assert p._local_tensor.device.type == "cpu" and torch.equal(p._local_tensor, local)
     finally:
         dist.destroy_process_group()
+
+
+def test_nested_offload_component_evicts_at_outermost_exit(fake_device):
+    pipe = Pipe()
+    _enable(pipe, fake_device)
+    with offload_component(pipe.text_encoder):
+        with offload_component(pipe.text_encoder):
+            pass
+        assert pipe.text_encoder.lin.weight.device == fake_device
+    assert pipe.text_encoder.lin.weight.device.type == "cpu"
+
+
+@requires_fake
+def test_failed_partial_load_leaves_nothing_on_device(fake_device):
+    pipe = Pipe()
+    backend = _enable(pipe, fake_device, {"mode": "module", "components": ["dit", "text_encoder"]})
+    pipe.text_encoder(torch.ones(1, 8))  # encoder resident, DiTs on the host
+    gc_base = fa.stats()["allocated_bytes"]
+    dit = backend.components["dit"]
+    first = dit.slots[0].nbytes
+    fa.set_capacity(gc_base - backend.components["text_encoder"].nbytes + first)  # room for 1 tensor
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="'dit'"):
+            pipe.dit(torch.ones(1, 8))
+    finally:
+        fa.set_capacity(None)
+    assert _on_type(pipe.dit, "cpu") and _on_type(pipe.text_encoder, "cpu")
+    assert not dit.resident
+    out = pipe.dit(torch.ones(1, 8))  # recovers
+    assert out.device == fake_device and _on_type(pipe.dit, DEV)
+
+
+def test_host_data_reassignment_while_evicted_is_loaded(fake_device):
+    pipe = Pipe()
+    _enable(pipe, fake_device)
+    assert pipe.dit.lin.bias.device.type == "cpu"
+    with torch.no_grad():
+        pipe.dit.lin.bias.data = torch.full((8,), 7.0)
+    pipe.dit(torch.ones(1, 8))
+    assert pipe.dit.lin.bias.device == fake_device
+    assert pipe.dit.lin.bias.cpu().tolist() == [7.0] * 8
+
+
+@requires_fake
+def test_fake_views_inside_inference_mode(fake_device):
+    x = torch.arange(10.0).view(1, 10).to(fake_device)
+    with torch.inference_mode():
+        assert x[:, :3].cpu().tolist() == [[0.0, 1.0, 2.0]]
+
+
+def _on_type(module, device_type):
+    return all(t.device.type == device_type for t in list(module.parameters()) + list(module.buffers()))

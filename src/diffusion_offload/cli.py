@@ -55,10 +55,13 @@ def default_model_dir() -> Path:
 
 
 def _ensure_default_model() -> Path:
-    path = default_model_dir()
-    if not (path / "model_index.json").is_file():
-        from .testing import tiny_pipelines
+    from .testing import tiny_pipelines
 
+    path = default_model_dir()
+    if (path / "model_index.json").is_file() and tiny_pipelines.kind_of(path) is None:
+        # built by an earlier version, before folders carried the tiny-pipeline marker
+        (path / tiny_pipelines.MARKER).write_text(json.dumps({"kind": "wan2.2", "seed": 0}))
+    if not (path / "model_index.json").is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"building the embedded tiny Wan2.2 model in {path} ...", file=sys.stderr)
         tiny_pipelines.save("wan2.2", path)
@@ -68,15 +71,30 @@ def _ensure_default_model() -> Path:
 def _read_config_arg(text: str | None) -> Any:
     if text is None:
         return None
+    from .config import reject_duplicate_keys
+
     if text.startswith("@"):
         file = Path(text[1:])
+        if file.is_dir():
+            raise CliError(f"--diffusion-offload-config: {str(file)!r} is a folder, not a JSON file")
         if not file.is_file():
             raise CliError(f"--diffusion-offload-config: file {str(file)!r} does not exist")
-        text = file.read_text()
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"--diffusion-offload-config: cannot read {str(file)!r} as UTF-8 text ({exc})") from None
     try:
-        return json.loads(text)
+        value = json.loads(text, object_pairs_hook=reject_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise CliError(f"--diffusion-offload-config is not valid JSON: {exc}") from None
+    except ValueError as exc:  # a repeated key
+        raise CliError(f"--diffusion-offload-config: {exc}") from None
+    if not isinstance(value, dict):
+        raise CliError(
+            f"--diffusion-offload-config must be a JSON object like "
+            f'{{"mode": "module", "components": ["dit", "text_encoder"]}}, got {value!r}'
+        )
+    return value
 
 
 def parse_config_args(args: argparse.Namespace):
@@ -120,13 +138,15 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     _add_engine_args(srv)
-    srv.add_argument("--api-key")
-    srv.add_argument("--max-queue", type=int, default=32)
-    srv.add_argument("--max-pixels", type=int, default=1024 * 1024)
-    srv.add_argument("--max-frames", type=int, default=129)
-    srv.add_argument("--max-steps", type=int, default=100)
-    srv.add_argument("--max-body-bytes", type=int, default=1048576)
-    srv.add_argument("--shutdown-grace", type=float, default=30.0)
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (not on /health, /metrics)")
+    srv.add_argument("--max-queue", type=int, default=32, help="waiting jobs before 429 (default 32)")
+    srv.add_argument("--max-pixels", type=int, default=1024 * 1024,
+                     help="largest width*height a request may ask for (default 1048576)")
+    srv.add_argument("--max-frames", type=int, default=129, help="largest num_frames of a video job (default 129)")
+    srv.add_argument("--max-steps", type=int, default=100, help="largest num_inference_steps (default 100)")
+    srv.add_argument("--max-body-bytes", type=int, default=1048576, help="largest request body, else 413")
+    srv.add_argument("--shutdown-grace", type=float, default=30.0,
+                     help="seconds the running job may finish after SIGINT/SIGTERM (default 30)")
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight pipeline in diffusers format")
     tiny.add_argument("kind", help="wan2.1, wan2.2, flux, sd3, qwen-image")
@@ -167,6 +187,16 @@ def _quiet_libraries() -> Iterator[None]:
     finally:
         transformers_logging.set_verbosity(saved[0])
         diffusers_logging.set_verbosity(saved[1])
+
+
+def _hide_loading_bars() -> None:
+    """No per-file "Loading weights" bars from diffusers/transformers: the CLI shows one
+    progress bar, over the denoising steps (the pipeline's own)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
 
 
 def _apply_fake_capacity(device: str | None) -> None:
@@ -212,8 +242,15 @@ def _generate(args: argparse.Namespace) -> int:
     from .engine.model_files import inspect_model, resolve_model
 
     config = parse_config_args(args)
+    _hide_loading_bars()
     report_path = _check_writable(args.report, "--report")
     trace_path = _check_writable(args.trace, "--trace")
+    named = [(flag, Path(p).resolve()) for flag, p in
+             (("--output", args.output), ("--report", args.report), ("--trace", args.trace)) if p]
+    for i, (flag, path) in enumerate(named):
+        for other, other_path in named[i + 1:]:
+            if path == other_path:
+                raise CliError(f"{flag} and {other} name the same file {str(path)!r}; give each its own")
     if args.output is not None:  # what does not depend on the model, before loading its code
         try:
             check_output_path(args.output, None)
@@ -236,10 +273,11 @@ def _generate(args: argparse.Namespace) -> int:
         "height": args.height, "width": args.width, "num_frames": args.num_frames,
         "num_inference_steps": args.steps, "seed": args.seed, "fps": args.fps,
     }
-    if embedded:  # the tiny model's fast defaults
-        from .testing.tiny_pipelines import default_call_kwargs
+    from .testing.tiny_pipelines import default_call_kwargs, kind_of
 
-        for key, value in default_call_kwargs("wan2.2").items():
+    tiny_kind = kind_of(model_dir)
+    if tiny_kind is not None:  # a tiny model (embedded or make-tiny): its fast defaults
+        for key, value in default_call_kwargs(tiny_kind).items():
             if key in values and values[key] is None:
                 values[key] = value
     if not info.is_video and args.num_frames is not None:
@@ -257,12 +295,17 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt} if args.negative_prompt else args.prompt
         try:
             result = engine.generate(prompt, params)[0]
+        except ValueError as exc:  # the pipeline's own input checks (size multiples, ...)
+            raise CliError(" ".join(str(exc).split())) from None
         except torch.OutOfMemoryError as exc:
             message = " ".join(str(exc).split())
             raise CliError(
                 f"{message} (try a config that offloads more components, or a smaller size)",
                 EXIT_FAILURE,
             ) from None
+        except Exception as exc:  # the model itself failed: one line, status 1
+            message = " ".join(str(exc).split())
+            raise CliError(f"generation failed: {type(exc).__name__}: {message}", EXIT_FAILURE) from None
         fps = params.fps or 16
         if info.is_video:
             data = encode_video(result.frames[0], fps, out_path.suffix.lower())
@@ -292,7 +335,10 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
     if args.kind not in tiny_pipelines.KINDS:
         raise CliError(f"kind {args.kind!r} is not allowed; allowed: {list(tiny_pipelines.KINDS)}")
-    path = tiny_pipelines.save(args.kind, args.dir, seed=args.seed)
+    try:
+        path = tiny_pipelines.save(args.kind, args.dir, seed=args.seed)
+    except OSError as exc:
+        raise CliError(f"make-tiny: cannot write {args.dir!r}: {exc.strerror or exc}") from None
     print(path)
     return 0
 
@@ -316,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"diffusion-offload: error: {exc}", file=sys.stderr)
         return exc.status
+    except KeyboardInterrupt:
+        print("diffusion-offload: interrupted (no output written)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -145,10 +145,24 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a key given twice is an error, not silently last-wins.
+
+    Raises:
+        ValueError: a duplicate key (named in the message).
+    """
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"diffusion_offload_config JSON repeats key {key!r}; give each key once")
+        out[key] = value
+    return out
+
+
 def _loads(text: str) -> Any:
     """Decode config JSON; a JSON string literal is refused, never decoded a second time."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=reject_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"diffusion_offload_config: invalid JSON ({exc}) in {text!r}; expected a JSON "

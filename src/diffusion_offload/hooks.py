@@ -53,6 +53,7 @@ class SequentialOffloadHook:
         self.component = component
         self.exclusion = tuple(c for c in exclusion if c is not component)
         self.group = (component, *(c for c in companions if c is not component))
+        self.context_depth = 0  # open ``offload_component`` contexts of this module
         self.device = component.mover.device
         self._platform = component.mover.platform
         self._non_blocking = component.mover.pin
@@ -175,6 +176,9 @@ def offload_component(module: nn.Module) -> Iterator[nn.Module]:
 
     Entering runs the module's hook (evict its exclusion set, load it, synchronize);
     leaving evicts the module if it is selected for offload, also when the body raises.
+    Nested contexts of the same module evict only when the outermost one exits. Entering
+    a context of a mutually exclusive component inside another evicts the outer one (the
+    exclusion rule); it is loaded again by its next forward or context.
 
     Raises:
         RuntimeError: ``module`` has no offload hook (enable a backend first).
@@ -186,7 +190,10 @@ def offload_component(module: nn.Module) -> Iterator[nn.Module]:
             "ModelLevelOffloadBackend(...).enable(pipeline) on its pipeline first"
         )
     hook.activate()
+    hook.context_depth += 1
     try:
         yield module
     finally:
-        hook.component.evict()
+        hook.context_depth -= 1
+        if hook.context_depth == 0:
+            hook.component.evict()

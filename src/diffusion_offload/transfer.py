@@ -225,7 +225,12 @@ class Mover:
         """Copy the slot to the device if it is not there; return the H2D bytes."""
         if slot.on_device(self.device):
             return 0
-        src = slot.host if slot.host is not None else slot.tensor
+        t = slot.tensor
+        if slot.host is not None and not t.is_set_to(slot.host):
+            # ``.data`` was reassigned on the host while evicted: that payload is the copy now
+            slot.host, slot.pinned = t.detach(), False
+            slot.nbytes = _nbytes(t)
+        src = slot.host if slot.host is not None else t
         with torch.inference_mode(False), torch.no_grad():
             dev = src.to(self.device, non_blocking=slot.pinned)
             self._swap(slot, dev, undo)
@@ -309,14 +314,24 @@ class ComponentWeights:
         """Copy every tensor of the component to the device; return H2D bytes.
 
         A selected component that is already resident returns 0 at once.
-        Raises ``torch.OutOfMemoryError`` from the device with the component named.
+        Raises ``torch.OutOfMemoryError`` from the device with the component named; the
+        tensors loaded before the failure are evicted again (free: they are unmodified),
+        so a failed load leaves nothing of the component on the device.
         """
         if self.resident:
             return 0
         start = time.perf_counter()
+        loaded: list[TensorSlot] = []
+        moved = 0
         try:
-            moved = sum(self.mover.load(s) for s in self.slots)
+            for slot in self.slots:
+                n = self.mover.load(slot)
+                if n:
+                    loaded.append(slot)
+                    moved += n
         except torch.OutOfMemoryError as exc:
+            for slot in loaded:
+                self.mover.evict(slot)
             raise torch.OutOfMemoryError(
                 f"out of device memory while loading component {self.name!r} "
                 f"({self.nbytes} bytes): {exc}"

@@ -69,6 +69,14 @@ def pick_device(device: str | torch.device | None) -> torch.device:
                 "npu, mps, fakegpu, cpu"
             ) from None
         platform_for(dev)  # raises ValueError for unsupported types
+        if dev.type == "fakegpu" and dev.index != 0:
+            raise ValueError(f"device={str(device)!r}: the fake accelerator has one device, fakegpu:0")
+        module = getattr(torch, dev.type, None)
+        if dev.type in ("cuda", "xpu", "npu") and not (module is not None and module.is_available()):
+            raise ValueError(f"device={str(device)!r} is not available on this machine (this torch build "
+                             f"has no {dev.type} device); allowed here: cpu, fakegpu")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"device={str(device)!r} is not available on this machine")
         return dev
     for kind in ("cuda", "xpu", "npu"):
         module = getattr(torch, kind, None)
@@ -334,6 +342,13 @@ class Omni:
                     f"{self.info.pipeline_class} (it takes no {key!r})"
                 )
             kwargs[key] = value
+        frames = kwargs.get("num_frames")
+        factor = getattr(self.pipeline, "vae_scale_factor_temporal", None)
+        if frames is not None and isinstance(factor, int) and factor > 1 and (frames - 1) % factor:
+            raise ValueError(
+                f"SamplingParams.num_frames={frames} is not allowed by {self.info.pipeline_class}: "
+                f"num_frames - 1 must be a multiple of {factor} (e.g. {frames - (frames - 1) % factor})"
+            )
         return kwargs
 
     # ------------------------------------------------------------------ API

@@ -9,6 +9,8 @@ from PIL import Image
 
 __all__ = ["GenerationOutput", "SamplingParams"]
 
+_SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64-bit seeds; seed + i must fit
+
 
 @dataclass
 class SamplingParams:
@@ -52,6 +54,8 @@ class SamplingParams:
             minimum = 0 if f.name == "seed" else 1
             if value < minimum:
                 raise ValueError(f"SamplingParams.{f.name} must be >= {minimum}, got {value!r}")
+            if f.name == "seed" and value >= _SEED_LIMIT:
+                raise ValueError(f"SamplingParams.seed must be < 2**63, got {value!r}")
 
     def as_dict(self) -> dict[str, Any]:
         """The set fields as a dict."""

@@ -235,7 +235,18 @@ def _dispatch(func, args, kwargs):
             return FakeDeviceTensor(x)
         return x
 
+    if torch.is_inference_mode_enabled() and _returns_alias(func) and any(
+        isinstance(x, FakeDeviceTensor) and not x.is_inference() for x in flat
+    ):
+        # a view of an ordinary tensor is ordinary, also inside inference mode (autograd
+        # then gives it the base's version counter, which an inference tensor cannot hold)
+        with torch.inference_mode(False):
+            return pytree.tree_map(wrap, out)
     return pytree.tree_map(wrap, out)
+
+
+def _returns_alias(func) -> bool:
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 # ----------------------------------------------------------------------------- .data

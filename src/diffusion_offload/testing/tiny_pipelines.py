@@ -53,6 +53,7 @@ tokens the pipeline drops, as with the real tokenizer.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -63,6 +64,9 @@ from typing import Any
 import torch
 
 __all__ = ["KINDS", "build", "default_call_kwargs", "save"]
+
+#: file that marks a folder written by :func:`save` (JSON: ``{"kind": ..., "seed": ...}``)
+MARKER = "diffusion_offload_tiny.json"
 
 KINDS: tuple[str, ...] = ("wan2.1", "wan2.2", "flux", "sd3", "qwen-image")
 """The pipeline kinds :func:`build`, :func:`save` and :func:`default_call_kwargs` accept."""
@@ -614,10 +618,13 @@ def save(kind: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
 
     The pipeline is written to a temporary directory beside ``directory`` (same parent, so
     same file system) and moved into place with :func:`os.replace`. An existing
-    ``directory`` is replaced: it is first renamed aside, then deleted once the new one is in
-    place, so readers see either the old or the new complete pipeline, never a partial one
-    (``directory`` is briefly absent in between). Missing parent directories are created.
-    The result loads offline with ``DiffusionPipeline.from_pretrained(directory)``.
+    ``directory`` is replaced only if it is empty or a pipeline written by this function
+    (it holds :data:`MARKER`): it is first renamed aside, then deleted once the new one is
+    in place, so readers see either the old or the new complete pipeline, never a partial
+    one. Any other existing directory is refused, never deleted. Missing parent
+    directories are created. The result loads offline with
+    ``DiffusionPipeline.from_pretrained(directory)`` and carries :data:`MARKER`, a JSON file
+    naming its kind (see :func:`kind_of`).
 
     Args:
         kind: one of :data:`KINDS`.
@@ -630,17 +637,26 @@ def save(kind: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
 
     Raises:
         ValueError: ``kind`` is not in :data:`KINDS` (nothing is written).
+        FileExistsError: ``directory`` exists, is not empty and is not a tiny pipeline.
         OSError: the directory cannot be written or replaced (e.g. ``directory`` is an
             existing file: :class:`NotADirectoryError`); the temporary directory is removed.
     """
     _check_kind(kind)
     target = Path(directory)
+    if target.is_dir() and any(target.iterdir()) and not (target / MARKER).is_file():
+        raise FileExistsError(
+            f"{str(target)!r} exists and is not empty; refusing to replace a folder that is "
+            "not a tiny pipeline (choose a new or empty folder)"
+        )
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{str(target)!r} exists and is not a folder")
     pipe = build(kind, seed)
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
+        (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed}))
         _replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -665,6 +681,15 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.replace(src, dst)
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def kind_of(directory: str | os.PathLike[str]) -> str | None:
+    """The kind of a pipeline folder written by :func:`save`, or None for any other folder."""
+    try:
+        kind = json.loads((Path(directory) / MARKER).read_text())["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return kind if kind in KINDS else None
 
 
 def default_call_kwargs(kind: str) -> dict[str, Any]:
