@@ -471,6 +471,7 @@ def test_no_trace_without_trace_flag(models):
 
 def test_close_and_context_manager(models, fake_device):
     path = models("flux")
+    gc.collect()
     baseline = fa.stats()["allocated_bytes"]
     with Omni(path, FULL, device="fakegpu", progress=False) as engine:
         assert fa.stats()["allocated_bytes"] > baseline
