@@ -54,6 +54,7 @@ class SequentialOffloadHook:
         self.exclusion = tuple(c for c in exclusion if c is not component)
         self.group = (component, *(c for c in companions if c is not component))
         self.context_depth = 0  # open ``offload_component`` contexts of this module
+        self.pre_forward = torch.compiler.disable(self.pre_forward)  # type: ignore[method-assign]
         self.device = component.mover.device
         self._platform = component.mover.platform
         self._non_blocking = component.mover.pin
@@ -85,14 +86,16 @@ class SequentialOffloadHook:
             return {k: self._to_device(v, moved) for k, v in value.items()}
         return value
 
-    @torch.compiler.disable
     def pre_forward(
         self, module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
         """Make the component resident and put tensor args/kwargs on the device.
 
         Weight loads synchronize inside ``ComponentWeights.load``; moved inputs are
-        synchronized here. Nothing moved: no synchronize.
+        synchronized here. Nothing moved: no synchronize. Compiler-disabled: the
+        instance's ``pre_forward`` is wrapped by ``torch.compiler.disable`` in
+        ``__init__`` (there, not at import, so importing the package does not import
+        ``torch._dynamo``).
         """
         self.activate()
         moved = [False]
