@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffusion_offload import platform as platform_mod
+from diffusion_offload.testing.pytest_plugin import requires_fake
 from diffusion_offload.platform import (
     CpuPlatform,
     CudaPlatform,
@@ -174,9 +175,8 @@ def test_platform_for_npu_defaults_to_torch_npu(npu_devices, monkeypatch):
     fake.empty_cache.assert_called_once_with()
 
 
+@requires_fake
 def test_platform_for_fakegpu(fake_device):
-    if fake_device.type != "fakegpu":
-        pytest.skip("runs on the fake accelerator only")
     for spelling in ("fakegpu", "fakegpu:0", fake_device, torch.device("fakegpu")):
         p = platform_for(spelling)
         assert type(p) is FakePlatform
@@ -332,8 +332,6 @@ def test_cpu_without_module():
 
 @pytest.fixture
 def fake_platform(fake_device):
-    if fake_device.type != "fakegpu":
-        pytest.skip("runs on the fake accelerator only")
     from diffusion_offload.testing import fake_accelerator
 
     fake_accelerator.set_capacity(None)
@@ -343,6 +341,7 @@ def fake_platform(fake_device):
         fake_accelerator.set_capacity(None)
 
 
+@requires_fake
 def test_fake_platform_flags(fake_platform):
     p, _ = fake_platform
     assert type(p) is FakePlatform
@@ -350,6 +349,7 @@ def test_fake_platform_flags(fake_platform):
     assert p.name == "fakegpu"
 
 
+@requires_fake
 def test_fake_platform_memory_stats(fake_platform):
     p, fa = fake_platform
     before = p.memory_stats().allocated_bytes
@@ -363,6 +363,7 @@ def test_fake_platform_memory_stats(fake_platform):
     del t
 
 
+@requires_fake
 def test_fake_platform_capacity(fake_platform):
     p, fa = fake_platform
     t = torch.ones(256, device=p.device)
@@ -379,6 +380,7 @@ def test_fake_platform_capacity(fake_platform):
     del t
 
 
+@requires_fake
 def test_fake_platform_synchronize_counts_once(fake_platform):
     p, fa = fake_platform
     before = fa.stats()["synchronizes"]
@@ -388,6 +390,7 @@ def test_fake_platform_synchronize_counts_once(fake_platform):
     assert fa.stats()["synchronizes"] == before + 2
 
 
+@requires_fake
 def test_fake_platform_reset_peak(fake_platform):
     p, fa = fake_platform
     keep = torch.ones(100, device=p.device)
