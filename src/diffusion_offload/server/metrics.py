@@ -171,6 +171,9 @@ class MetricsMiddleware:
         self.routes = routes
 
     def _endpoint(self, scope: dict) -> str:
+        """The route path for the metrics label: a full match, else the first route whose
+        path matches with another method, else ``"other"``."""
+        partial = None
         for route in self.routes():
             try:
                 match, _ = route.matches(scope)
@@ -178,14 +181,9 @@ class MetricsMiddleware:
                 continue
             if match == Match.FULL:
                 return getattr(route, "path", "other")
-        for route in self.routes():  # right path, wrong method
-            try:
-                match, _ = route.matches(scope)
-            except Exception:
-                continue
-            if match == Match.PARTIAL:
-                return getattr(route, "path", "other")
-        return "other"
+            if match == Match.PARTIAL and partial is None:
+                partial = getattr(route, "path", "other")
+        return partial or "other"
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Run the app, recording the status it answered and the time it took."""

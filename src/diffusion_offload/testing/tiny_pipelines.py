@@ -247,16 +247,20 @@ def _clip_config(vocab_size: int, hidden_size: int, projection_dim: int):
     )
 
 
-def _t5_encoder(vocab_size: int, d_model: int):
-    from transformers import T5Config, T5EncoderModel
+def _t5_family_encoder(
+    umt5: bool, vocab_size: int, d_model: int, d_kv: int, d_ff: int, num_heads: int
+):
+    """A 2-layer T5 (Flux, SD3) or UMT5 (Wan) encoder with gated-GELU and no dropout."""
+    import transformers
 
-    config = T5Config(
+    prefix = "UMT5" if umt5 else "T5"
+    config = getattr(transformers, f"{prefix}Config")(
         vocab_size=vocab_size,
         d_model=d_model,
-        d_kv=8,
-        d_ff=64,
+        d_kv=d_kv,
+        d_ff=d_ff,
         num_layers=2,
-        num_heads=4,
+        num_heads=num_heads,
         relative_attention_num_buckets=8,
         relative_attention_max_distance=32,
         dropout_rate=0.0,
@@ -267,30 +271,15 @@ def _t5_encoder(vocab_size: int, d_model: int):
         eos_token_id=1,
         decoder_start_token_id=0,
     )
-    return T5EncoderModel(config)
+    return getattr(transformers, f"{prefix}EncoderModel")(config)
+
+
+def _t5_encoder(vocab_size: int, d_model: int):
+    return _t5_family_encoder(False, vocab_size, d_model, d_kv=8, d_ff=64, num_heads=4)
 
 
 def _umt5_encoder(vocab_size: int):
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    config = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=32,
-        d_kv=16,
-        d_ff=32,
-        num_layers=2,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        is_encoder_decoder=False,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return UMT5EncoderModel(config)
+    return _t5_family_encoder(True, vocab_size, 32, d_kv=16, d_ff=32, num_heads=2)
 
 
 def _qwen2_5_vl_encoder(tokenizer):
