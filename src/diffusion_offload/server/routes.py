@@ -106,6 +106,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return {"status": "ok", "model": settings.model_id}
 
     def model_card() -> dict[str, Any]:
+        """The OpenAI model object of the one served model (id = MODEL as given)."""
         return {
             "id": settings.model_id,
             "object": "model",
@@ -184,6 +185,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     # -------------------------------------------------------------- videos
 
     def get_job(video_id: str) -> Job:
+        """The video job ``video_id``; an ``APIError`` 404 (param ``video_id``) if unknown."""
         job = state.jobs.get(video_id)
         if job is None:
             raise APIError(

@@ -154,7 +154,8 @@ class FakeDeviceTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return f"FakeDeviceTensor({self._inner!r}, device='{_DEVICE}')"
 
-    def tolist(self) -> Any:  # noqa: D102 - as on CUDA: a device->host copy, then Python values
+    def tolist(self) -> Any:
+        """Python values, as on CUDA: one device->host copy (counted in ``d2h_bytes``)."""
         return self.cpu().tolist()
 
     @classmethod
