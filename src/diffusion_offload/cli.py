@@ -1,10 +1,13 @@
 """The ``diffusion-offload`` command line: ``generate``, ``serve`` and ``make-tiny``.
 
 Every bad input (missing directory, unknown hub id offline, not a diffusers pipeline,
-unsupported pipeline class, invalid JSON or config, unwritable or wrongly named output,
-a config that does not fit) prints one line ``diffusion-offload: error: ...`` to stderr
-and exits with status 2, writing nothing. Library warnings (transformers, diffusers) are
-silenced while the input is validated, so that line is all a bad input prints.
+unsupported pipeline class, a truncated or corrupt weight file, invalid JSON or config,
+an existing output without ``--overwrite``, an output inside the model folder, a size
+the model does not take, a config that does not fit) prints one line
+``diffusion-offload: error: ...`` naming the flag as typed, and exits with status 2,
+writing nothing. ``--help``, ``--version`` and flag or config errors answer before
+torch is imported. Outputs are written to a temporary file in the same folder, then
+renamed, so a failure leaves nothing behind.
 
 Testing aid (undocumented in ``--help``): with ``--device fakegpu``, the environment
 variable ``DIFFUSION_OFFLOAD_FAKE_CAPACITY=BYTES`` limits the fake accelerator's memory
@@ -19,30 +22,41 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-__all__ = ["default_model_dir", "main"]
+from .cli_args import (
+    DEFAULT_PROMPT,
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    CliError,
+    build_parser,
+    parse_config_args,
+    quiet_libraries,
+    version,
+)
 
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
+__all__ = ["CliError", "default_model_dir", "human_bytes", "main"]
+
 FAKE_CAPACITY_ENV = "DIFFUSION_OFFLOAD_FAKE_CAPACITY"
+REPORT_FORMAT = 2
 
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2 (or ``status``)."""
-
-    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not usage + error
-        print(f"diffusion-offload: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+# report "request" key -> (argparse dest, flag)
+_REQUEST_ARGS = {
+    "model": ("model", "--model"),
+    "variant": ("variant", "--variant"),
+    "prompt": ("prompt", "--prompt"),
+    "negative_prompt": ("negative_prompt", "--negative-prompt"),
+    "height": ("height", "--height"),
+    "width": ("width", "--width"),
+    "num_frames": ("num_frames", "--num-frames"),
+    "num_inference_steps": ("steps", "--steps"),
+    "seed": ("seed", "--seed"),
+    "fps": ("fps", "--fps"),
+    "device": ("device", "--device"),
+    "dtype": ("dtype", "--dtype"),
+    "max_pinned_bytes": ("max_pinned_memory", "--max-pinned-memory"),
+}
 
 
 def default_model_dir() -> Path:
@@ -52,6 +66,18 @@ def default_model_dir() -> Path:
     if not root:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "diffusion_offload")
     return Path(root) / "tiny-wan2.2"
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``"512 B"``, ``"17.3 MiB"``, ``"1.50 GiB"``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.2f} {unit}" if abs(n) < 10 else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def _ensure_default_model() -> Path:
@@ -68,135 +94,40 @@ def _ensure_default_model() -> Path:
     return path
 
 
-def _read_config_arg(text: str | None) -> Any:
-    if text is None:
-        return None
-    from .config import reject_duplicate_keys
-
-    if text.startswith("@"):
-        file = Path(text[1:])
-        if file.is_dir():
-            raise CliError(f"--diffusion-offload-config: {str(file)!r} is a folder, not a JSON file")
-        if not file.is_file():
-            raise CliError(f"--diffusion-offload-config: file {str(file)!r} does not exist")
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(f"--diffusion-offload-config: cannot read {str(file)!r} as UTF-8 text ({exc})") from None
-    try:
-        value = json.loads(text, object_pairs_hook=reject_duplicate_keys)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--diffusion-offload-config is not valid JSON: {exc}") from None
-    except ValueError as exc:  # a repeated key
-        raise CliError(f"--diffusion-offload-config: {exc}") from None
-    if not isinstance(value, dict):
-        raise CliError(
-            f"--diffusion-offload-config must be a JSON object like "
-            f'{{"mode": "module", "components": ["dit", "text_encoder"]}}, got {value!r}'
-        )
-    return value
+# ---------------------------------------------------------------------- files
 
 
-def parse_config_args(args: argparse.Namespace):
-    """The validated config from ``--diffusion-offload-config`` / ``--enable-cpu-offload``."""
-    from .config import parse_diffusion_offload_config
-
-    raw = _read_config_arg(args.diffusion_offload_config)
-    try:
-        return parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
-    except (TypeError, ValueError) as exc:
-        raise CliError(f"--diffusion-offload-config: {exc}") from None
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--diffusion-offload-config", metavar="JSON_OR_@FILE",
-                   help='offload config, e.g. \'{"mode":"module","components":["dit","text_encoder"]}\'')
-    p.add_argument("--enable-cpu-offload", action="store_true",
-                   help="legacy: model-level offload of every DiT and encoder")
-    p.add_argument("--device", help="cuda[:N], xpu, npu, mps, fakegpu (the test accelerator) or cpu; default: auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="diffusion-offload", description="Model-level offload for diffusion pipelines.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    gen = sub.add_parser("generate", help="generate an image or a video")
-    gen.add_argument("--model", help="pipeline directory or hub id (default: the embedded tiny Wan2.2)")
-    gen.add_argument("--prompt", default="a red fox running through fresh snow")
-    gen.add_argument("--negative-prompt")
-    gen.add_argument("--output", help="output file: .png for images, .mp4 or .gif for videos")
-    _add_engine_args(gen)
-    for name in ("--steps", "--seed", "--height", "--width", "--num-frames", "--fps"):
-        gen.add_argument(name, type=int)
-    gen.add_argument("--report", metavar="FILE.json", help="write a JSON report")
-    gen.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open in Perfetto)")
-
-    srv = sub.add_parser("serve", help="serve the model over an OpenAI-style HTTP API")
-    srv.add_argument("model", help="pipeline directory or hub id")
-    srv.add_argument("--omni", action="store_true", help="accepted for vLLM-Omni command-line compatibility")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    _add_engine_args(srv)
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (not on /health, /metrics)")
-    srv.add_argument("--max-queue", type=int, default=32, help="waiting jobs before 429 (default 32)")
-    srv.add_argument("--max-pixels", type=int, default=1024 * 1024,
-                     help="largest width*height a request may ask for (default 1048576)")
-    srv.add_argument("--max-frames", type=int, default=129, help="largest num_frames of a video job (default 129)")
-    srv.add_argument("--max-steps", type=int, default=100, help="largest num_inference_steps (default 100)")
-    srv.add_argument("--max-body-bytes", type=int, default=1048576, help="largest request body, else 413")
-    srv.add_argument("--shutdown-grace", type=float, default=30.0,
-                     help="seconds the running job may finish after SIGINT/SIGTERM (default 30)")
-
-    tiny = sub.add_parser("make-tiny", help="write a tiny random-weight pipeline in diffusers format")
-    tiny.add_argument("kind", help="wan2.1, wan2.2, flux, sd3, qwen-image")
-    tiny.add_argument("dir")
-    tiny.add_argument("--seed", type=int, default=0)
-    return parser
-
-
-def _check_writable(path: str | None, flag: str) -> Path | None:
-    from .engine.media import check_writable_folder
-
+def _check_new_file(path: str | None, flag: str, overwrite: bool, suffixes: tuple[str, ...]) -> Path | None:
+    """Checks of a file the command will write, before anything loads."""
     if path is None:
         return None
     out = Path(path)
-    if out.suffix.lower() != ".json":
-        raise CliError(f"{flag} {path!r} must end in .json")
+    if out.suffix.lower() not in suffixes:
+        raise CliError(f"{flag} {path!r} must end in {' or '.join(suffixes)}")
+    if out.is_dir():
+        raise CliError(f"{flag} {path!r} is a folder; give a file name")
+    if out.exists() and not overwrite:
+        raise CliError(f"{flag} {path!r} already exists; pass --overwrite to replace it")
+    from .engine.media import check_writable_folder
+
     try:
         check_writable_folder(out, flag)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    if out.is_dir():
-        raise CliError(f"{flag} {path!r} is a folder")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise CliError(f"{flag} {path!r} is not writable")
     return out
 
 
-@contextmanager
-def _quiet_libraries() -> Iterator[None]:
-    """Silence transformers and diffusers warnings (e.g. about optional backends that
-    importing a pipeline class logs) while the input is validated; restored afterwards."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    saved = transformers_logging.get_verbosity(), diffusers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    diffusers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers_logging.set_verbosity(saved[0])
-        diffusers_logging.set_verbosity(saved[1])
-
-
-def _hide_loading_bars() -> None:
-    """No per-file "Loading weights" bars from diffusers/transformers: the CLI shows one
-    progress bar, over the denoising steps (the pipeline's own)."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
+def _check_outside_model(named: list[tuple[str, Path]], model_dir: Path) -> None:
+    root = model_dir.resolve()
+    for flag, path in named:
+        resolved = path.resolve()
+        if resolved == root or root in resolved.parents:
+            raise CliError(
+                f"{flag} {str(path)!r} is inside the model folder {str(model_dir)!r}; "
+                "write outputs elsewhere (model files are never replaced)"
+            )
 
 
 def _apply_fake_capacity(device: str | None) -> None:
@@ -216,6 +147,38 @@ def _apply_fake_capacity(device: str | None) -> None:
     fake_accelerator.set_capacity(nbytes)
 
 
+# ---------------------------------------------------------------------- report
+
+
+def _apply_report(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Fill the flags not given on the command line from ``--from-report``'s request."""
+    if args.from_report is None:
+        return None
+    file = Path(args.from_report)
+    try:
+        report = json.loads(file.read_text(encoding="utf-8"))
+        request = report["request"]
+        if not isinstance(request, dict):
+            raise TypeError
+    except FileNotFoundError:
+        raise CliError(f"--from-report: file {args.from_report!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise CliError(
+            f"--from-report {args.from_report!r} is not a diffusion-offload report with a "
+            "'request' (write one with generate --report)"
+        ) from None
+    for key, (dest, _flag) in _REQUEST_ARGS.items():
+        if getattr(args, dest, None) is None and request.get(key) is not None:
+            setattr(args, dest, request[key])
+    if args.diffusion_offload_config is None and not args.enable_cpu_offload:
+        config = request.get("diffusion_offload_config")
+        if config is not None:
+            args.diffusion_offload_config = json.dumps(config)
+    if args.output is None and request.get("output"):
+        args.output = request["output"]
+    return report
+
+
 def _summary(output: Any, report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -223,79 +186,102 @@ def _summary(output: Any, report: dict[str, Any]) -> None:
     table = Table(title="diffusion-offload", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for stage, seconds in output.timings.items():
-        table.add_row(f"time {stage}", f"{seconds:.3f} s")
-    table.add_row("peak device memory", f"{output.peak_device_memory_bytes:,} B")
+    for stage, seconds in report["timings"].items():
+        label = "time total (load included)" if stage == "total" else f"time {stage}"
+        table.add_row(label, f"{seconds:.3f} s")
+    table.add_row("peak device memory", human_bytes(output.peak_device_memory_bytes))
     stats = output.offload_stats
-    table.add_row("host->device weights", f"{int(stats.get('h2d_bytes', 0)):,} B")
-    table.add_row("device->host weights", f"{int(stats.get('d2h_bytes', 0)):,} B")
+    table.add_row("host->device weights", human_bytes(int(stats.get("h2d_bytes", 0))))
+    table.add_row("device->host weights", human_bytes(int(stats.get("d2h_bytes", 0))))
     table.add_row("loads / evictions", f"{int(stats.get('loads', 0))} / {int(stats.get('evictions', 0))}")
     table.add_row("output", str(report["output"]))
     Console(stderr=True).print(table)
 
 
+# ---------------------------------------------------------------------- generate
+
+
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from .engine import FitError, ModelError, Omni, SamplingParams
-    from .engine.media import check_output_path, encode_png, encode_video, write_atomic
-    from .engine.model_files import inspect_model, resolve_model
-
+    _apply_report(args)
     config = parse_config_args(args)
-    _hide_loading_bars()
-    report_path = _check_writable(args.report, "--report")
-    trace_path = _check_writable(args.trace, "--trace")
-    named = [(flag, Path(p).resolve()) for flag, p in
-             (("--output", args.output), ("--report", args.report), ("--trace", args.trace)) if p]
+    overwrite = args.overwrite
+    out_given = _check_new_file(args.output, "--output", overwrite, (".png", ".mp4", ".gif"))
+    report_path = _check_new_file(args.report, "--report", overwrite, (".json",))
+    trace_path = _check_new_file(args.trace, "--trace", overwrite, (".json",))
+    named = [(flag, p) for flag, p in (("--output", out_given), ("--report", report_path),
+                                       ("--trace", trace_path)) if p is not None]
     for i, (flag, path) in enumerate(named):
         for other, other_path in named[i + 1:]:
-            if path == other_path:
+            if path.resolve() == other_path.resolve():
                 raise CliError(f"{flag} and {other} name the same file {str(path)!r}; give each its own")
-    if args.output is not None:  # what does not depend on the model, before loading its code
-        try:
-            check_output_path(args.output, None)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
+
+    quiet_libraries()
+    import torch
+
+    from .engine import FitError, ModelError
+    from .engine.media import check_output_path, encode_png, encode_video, write_atomic
+    from .engine.model_files import inspect_model, resolve_model
+    from .engine.omni import parse_dtype, pick_device
+    from .engine.params import SamplingParams
+    from .engine.requests import DEFAULT_FPS, build_omni, model_rules
+
     embedded = args.model is None
-    with _quiet_libraries():
-        try:
-            model_dir = _ensure_default_model() if embedded else resolve_model(args.model)
-            info = inspect_model(model_dir)
-        except ModelError as exc:
-            raise CliError(str(exc)) from None
+    try:
+        parse_dtype(args.dtype)
+        model_dir = _ensure_default_model() if embedded else resolve_model(args.model)
+        info = inspect_model(model_dir, args.variant)
+    except ModelError as exc:
+        raise CliError(str(exc)) from None
+    except ValueError as exc:
+        raise CliError(f"--dtype: {exc}") from None
     output = args.output or ("output.mp4" if info.is_video else "output.png")
     try:
         out_path = check_output_path(output, info.is_video)
     except ValueError as exc:
-        raise CliError(str(exc)) from None
-    _apply_fake_capacity(args.device)
-    values = {
-        "height": args.height, "width": args.width, "num_frames": args.num_frames,
-        "num_inference_steps": args.steps, "seed": args.seed, "fps": args.fps,
-    }
-    from .testing.tiny_pipelines import default_call_kwargs, kind_of
+        raise CliError(f"--output: {exc}") from None
+    if out_given is None:
+        out_path = _check_new_file(output, "--output", overwrite, (".png", ".mp4", ".gif"))
+    named.append(("--output", out_path))
+    _check_outside_model(named, model_dir)
 
-    tiny_kind = kind_of(model_dir)
-    if tiny_kind is not None:  # a tiny model (embedded or make-tiny): its fast defaults
-        for key, value in default_call_kwargs(tiny_kind).items():
-            if key in values and values[key] is None:
-                values[key] = value
-    if not info.is_video and args.num_frames is not None:
-        raise CliError(f"--num-frames: {info.pipeline_class} makes images, not videos")
+    rules = model_rules(info)
+    names = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
     try:
-        params = SamplingParams(**values)
-        engine = Omni(
-            str(model_dir), config, device=args.device, dtype=args.dtype, trace=trace_path is not None
+        rules.check({"height": args.height, "width": args.width, "num_frames": args.num_frames}, names)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    values = rules.resolve({
+        "height": args.height, "width": args.width, "num_frames": args.num_frames,
+        "num_inference_steps": args.steps,
+    })
+    seed = 0 if args.seed is None else args.seed
+    fps = (args.fps or DEFAULT_FPS) if info.is_video else None
+    prompt_text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    try:
+        pick_device(args.device)
+        params = SamplingParams(seed=seed, fps=fps, **values)
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"--device: {exc}" if "device" in str(exc) else str(exc)) from None
+    _apply_fake_capacity(args.device)
+    try:
+        engine = build_omni(
+            model_dir, config, variant=args.variant, max_pinned_bytes=args.max_pinned_memory,
+            device=args.device, dtype=args.dtype, trace=trace_path is not None,
         )
     except (FitError, ModelError, NotImplementedError) as exc:
         raise CliError(str(exc)) from None
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
+    except OSError as exc:  # diffusers could not read a file the checks did not cover
+        raise CliError(f"the model files in {str(model_dir)!r} cannot be loaded: "
+                       f"{' '.join(str(exc).split())}") from None
     with engine:
-        prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt} if args.negative_prompt else args.prompt
+        prompt: Any = prompt_text
+        if args.negative_prompt is not None:
+            prompt = {"prompt": prompt_text, "negative_prompt": args.negative_prompt}
         try:
             result = engine.generate(prompt, params)[0]
-        except ValueError as exc:  # the pipeline's own input checks (size multiples, ...)
+        except ValueError as exc:  # the pipeline's own input checks
             raise CliError(" ".join(str(exc).split())) from None
         except torch.OutOfMemoryError as exc:
             message = " ".join(str(exc).split())
@@ -306,37 +292,83 @@ def _generate(args: argparse.Namespace) -> int:
         except Exception as exc:  # the model itself failed: one line, status 1
             message = " ".join(str(exc).split())
             raise CliError(f"generation failed: {type(exc).__name__}: {message}", EXIT_FAILURE) from None
-        fps = params.fps or 16
         if info.is_video:
-            data = encode_video(result.frames[0], fps, out_path.suffix.lower())
+            data = encode_video(result.frames[0], fps or DEFAULT_FPS, out_path.suffix.lower())
         else:
             data = encode_png(result.images[0])
-        write_atomic(out_path, data)
+        timings = dict(result.timings)
+        timings["total"] = sum(v for k, v in timings.items() if k != "total")
+        import diffusers
+
         report = {
+            "format": REPORT_FORMAT,
+            "request": {
+                "model": args.model if args.model is not None else None,
+                "variant": args.variant,
+                "prompt": prompt_text,
+                "negative_prompt": args.negative_prompt,
+                **values,
+                "seed": seed,
+                "fps": fps,
+                "device": str(engine.device),
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "diffusion_offload_config": config.to_dict() if config is not None else None,
+                "max_pinned_bytes": args.max_pinned_memory,
+                "output": str(out_path),
+            },
             "model": args.model or str(model_dir),
+            "model_path": str(model_dir),
             "pipeline_class": info.pipeline_class,
             "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
             "config": config.to_dict() if config is not None else None,
-            "timings": result.timings,
+            "timings": timings,
             "peak_device_memory_bytes": result.peak_device_memory_bytes,
             "offload_stats": result.offload_stats,
             "output": str(out_path),
+            "versions": {
+                "diffusion_offload": version(),
+                "torch": torch.__version__,
+                "diffusers": diffusers.__version__,
+            },
         }
+        trace = json.dumps(engine.trace_dict()).encode() if trace_path is not None else None
+        write_atomic(out_path, data)
         if report_path is not None:
             write_atomic(report_path, json.dumps(report, indent=2).encode())
         if trace_path is not None:
-            write_atomic(trace_path, json.dumps(engine.trace_dict()).encode())
+            write_atomic(trace_path, trace)
     _summary(result, report)
     return 0
 
 
+# ---------------------------------------------------------------------- make-tiny
+
+
 def _make_tiny(args: argparse.Namespace) -> int:
+    target = Path(args.dir)
+    if target.exists() and not target.is_dir():
+        raise CliError(f"make-tiny: {args.dir!r} exists and is not a folder")
+    if target.is_dir() and any(target.iterdir()):
+        if not args.overwrite:
+            raise CliError(
+                f"make-tiny: folder {args.dir!r} is not empty; choose a new or empty folder, or "
+                "pass --overwrite to replace a folder that make-tiny wrote"
+            )
+        from .testing import tiny_pipelines
+
+        if tiny_pipelines.kind_of(target) is None:
+            raise CliError(
+                f"make-tiny: refusing to replace {args.dir!r}: it was not written by make-tiny "
+                f"(no {tiny_pipelines.MARKER}), even with --overwrite"
+            )
+    quiet_libraries()
     from .testing import tiny_pipelines
 
-    if args.kind not in tiny_pipelines.KINDS:
-        raise CliError(f"kind {args.kind!r} is not allowed; allowed: {list(tiny_pipelines.KINDS)}")
     try:
         path = tiny_pipelines.save(args.kind, args.dir, seed=args.seed)
+    except FileExistsError as exc:
+        raise CliError(f"make-tiny: {exc}") from None
     except OSError as exc:
         raise CliError(f"make-tiny: cannot write {args.dir!r}: {exc.strerror or exc}") from None
     print(path)
@@ -350,9 +382,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``diffusion-offload``; returns the exit status."""
+    """Entry point of ``diffusion-offload``; returns the exit status (0 ok, 1 the model
+    failed while running, 2 a bad input, 130 interrupted)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)

@@ -11,9 +11,10 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-from PIL import Image
+if TYPE_CHECKING:  # numpy and PIL load on first encode, not when paths are checked
+    from PIL import Image
 
 __all__ = [
     "IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "check_output_path", "check_writable_folder",
@@ -82,19 +83,21 @@ def check_writable_folder(path: str | os.PathLike, what: str = "output") -> Path
     return out
 
 
-def encode_png(image: Image.Image) -> bytes:
+def encode_png(image: "Image.Image") -> bytes:
     """PNG bytes of ``image``."""
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
 
 
-def encode_video(frames: Sequence[Image.Image], fps: int, ext: str = ".mp4") -> bytes:
+def encode_video(frames: Sequence["Image.Image"], fps: int, ext: str = ".mp4") -> bytes:
     """Encode PIL frames as MP4 (H.264, yuv420p, via imageio-ffmpeg) or GIF; returns bytes.
 
     Frame sizes are padded by ffmpeg's macro-block rule only if needed: tiny sizes are
     kept exact by ``macro_block_size=1``.
     """
+    import numpy as np
+
     arrays = [np.asarray(f.convert("RGB")) for f in frames]
     import imageio.v2 as imageio
 

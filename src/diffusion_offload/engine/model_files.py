@@ -1,22 +1,60 @@
 """Locating a diffusers-format pipeline and reading its component sizes without loading it.
 
 A model is a local directory or a Hugging Face hub id (resolved through the local cache
-when ``HF_HUB_OFFLINE=1``). Component sizes come from the safetensors headers (8-byte
-little-endian header length, then a JSON header with each tensor's dtype and shape), so
-the fit check runs before a single weight is read.
+when ``HF_HUB_OFFLINE=1``). Component sizes come from the safetensors headers, read with
+safetensors' own ``safe_open`` (which also rejects truncated and corrupt files), of the
+files diffusers will load for the chosen variant, so the fit check runs before a single
+weight is read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
-import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import diffusers
 
-__all__ = ["ModelError", "ModelInfo", "inspect_model", "resolve_model"]
+__all__ = [
+    "ModelError", "ModelInfo", "default_variant", "inspect_model", "resolve_model",
+    "safetensors_numels", "weight_files",
+]
+
+_DEFAULT_VARIANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "diffusion_offload_variant", default=None
+)
+
+
+@contextlib.contextmanager
+def default_variant(variant: str | None) -> Iterator[None]:
+    """Within the block, ``inspect_model`` and ``DiffusionPipeline.from_pretrained`` use
+    ``variant`` when none is given (the CLI's ``--variant`` for an ``Omni`` that takes no
+    ``variant=`` keyword). ``variant=None`` changes nothing.
+    """
+    if variant is None:
+        yield
+        return
+    from diffusers import DiffusionPipeline
+
+    token = _DEFAULT_VARIANT.set(variant)
+    original = DiffusionPipeline.__dict__["from_pretrained"]
+    func = original.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        if _DEFAULT_VARIANT.get() is not None:
+            kwargs.setdefault("variant", _DEFAULT_VARIANT.get())
+        return func(cls, *args, **kwargs)
+
+    DiffusionPipeline.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        DiffusionPipeline.from_pretrained = original
+        _DEFAULT_VARIANT.reset(token)
 
 # bytes per element of the safetensors dtype names
 _DTYPE_BYTES = {
@@ -40,6 +78,7 @@ class ModelInfo:
         components: module component name -> (library, class name).
         numels: component -> {safetensors dtype name -> element count}.
         is_video: the pipeline's ``__call__`` takes ``num_frames``.
+        variant: the weight variant the sizes were read for (None: the plain files).
     """
 
     path: Path
@@ -47,6 +86,7 @@ class ModelInfo:
     components: dict[str, tuple[str, str]]
     numels: dict[str, dict[str, int]]
     is_video: bool
+    variant: str | None = None
 
     def component_bytes(self, name: str, dtype_bytes: int | None = None) -> int:
         """Bytes of component ``name``; floating tensors counted at ``dtype_bytes`` if given."""
@@ -97,29 +137,110 @@ def resolve_model(model: str | os.PathLike) -> Path:
         ) from None
 
 
-def _safetensors_numels(folder: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            numel = 1
-            for dim in entry["shape"]:
-                numel *= dim
-            out[entry["dtype"]] = out.get(entry["dtype"], 0) + numel
+def weight_files(path: Path, variant: str | None = None) -> dict[str, list[Path]]:
+    """The safetensors files diffusers will load, per component folder of pipeline ``path``.
+
+    Files are chosen with diffusers' own rule (``variant_compatible_siblings``): for
+    ``variant=None`` only plain names (``diffusion_pytorch_model.safetensors``,
+    ``model-00001-of-00002.safetensors``), never ``*.fp16.safetensors``; for a variant, the
+    variant's files where a component has them, else its plain ones. A sharded checkpoint
+    (``*.safetensors.index[.VARIANT].json``) counts the shards its ``weight_map`` names.
+
+    Raises:
+        ModelError: no component has files of ``variant``, or an index file is unreadable
+            or names a shard that is missing (the message names the file).
+    """
+    from diffusers.pipelines.pipeline_loading_utils import variant_compatible_siblings
+
+    names = [
+        f"{sub.name}/{file.name}"
+        for sub in sorted(path.iterdir()) if sub.is_dir() and not sub.name.startswith(".")
+        for file in sorted(sub.iterdir()) if file.is_file()
+    ]
+    try:
+        usable, _ = variant_compatible_siblings(names, variant=variant)
+    except ValueError:
+        found = sorted({n.split(".")[-2] for n in names if n.count(".") >= 2 and n.endswith(".safetensors")})
+        raise ModelError(
+            f"variant {variant!r}: no weight files of this variant in {str(path)!r} "
+            f"(files named like diffusion_pytorch_model.{variant}.safetensors); "
+            f"variants found: {found or 'none'}"
+        ) from None
+    out: dict[str, list[Path]] = {}
+    for name in sorted(usable):
+        component, file = name.split("/", 1)
+        if ".safetensors" not in file:
+            continue
+        out.setdefault(component, []).append(path / component / file)
+    for component, files in out.items():
+        indexes = [f for f in files if f.name.endswith(".json")]
+        if not indexes:
+            continue
+        shards: list[Path] = []
+        for index in indexes:
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                shard_names = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ModelError(
+                    f"weight index {str(index)!r} is unreadable or corrupt ({type(exc).__name__}); "
+                    "download the model again"
+                ) from None
+            for shard in shard_names:
+                file = index.parent / str(shard)
+                if not file.is_file():
+                    raise ModelError(
+                        f"weight index {str(index)!r} names shard {str(shard)!r}, which is "
+                        "missing; download the model again"
+                    )
+                shards.append(file)
+        out[component] = sorted(set(shards))
     return out
 
 
-def inspect_model(path: Path) -> ModelInfo:
+def safetensors_numels(files: list[Path]) -> dict[str, int]:
+    """Element counts per safetensors dtype name over ``files``, read with safetensors'
+    own reader (``safe_open``: the header only, validated against the file size).
+
+    Raises:
+        ModelError: a file is truncated, corrupt or unreadable (the message names it).
+    """
+    from safetensors import safe_open
+
+    out: dict[str, int] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as fh:
+                for key in fh.keys():
+                    piece = fh.get_slice(key)
+                    numel = 1
+                    for dim in piece.get_shape():
+                        numel *= int(dim)
+                    dtype = str(piece.get_dtype())
+                    out[dtype] = out.get(dtype, 0) + numel
+        except Exception as exc:  # SafetensorError, OSError, ...
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            if "incomplete metadata" in reason or "too small" in reason or "header length" in reason:
+                reason = f"truncated or corrupt ({reason})"
+            raise ModelError(
+                f"weight file {str(file)!r} cannot be read: {reason}; download the model again"
+            ) from None
+    return out
+
+
+def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
     """Read ``model_index.json`` and the safetensors headers under ``path``.
+
+    Only the files diffusers loads for ``variant`` are counted (see :func:`weight_files`).
 
     Raises:
         ModelError: no or invalid ``model_index.json``, a pipeline class diffusers does
-            not have, or one that is not text-to-image/video (needs an input image).
+            not have, one that is not text-to-image/video (needs an input image), no
+            files of ``variant``, or a truncated, corrupt or unreadable weight file.
     """
+    path = Path(path)
+    if variant is None:
+        variant = _DEFAULT_VARIANT.get()
     index = path / "model_index.json"
     if not index.is_file():
         raise ModelError(f"{str(path)!r} is not a diffusers pipeline: no model_index.json")
@@ -149,9 +270,9 @@ def inspect_model(path: Path) -> ModelInfo:
         if value[0] is None:
             continue
         components[name] = (str(value[0]), str(value[1]))
-        folder = path / name
-        if folder.is_dir():
-            counts = _safetensors_numels(folder)
-            if counts:
-                numels[name] = counts
-    return ModelInfo(path, class_name, components, numels, "num_frames" in params)
+    files = weight_files(path, variant)
+    for name in components:
+        counts = safetensors_numels(files.get(name, []))
+        if counts:
+            numels[name] = counts
+    return ModelInfo(path, class_name, components, numels, "num_frames" in params, variant)

@@ -13,9 +13,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..transfer import ComponentWeights
+if TYPE_CHECKING:  # only for annotations
+    from ..transfer import ComponentWeights
 
 __all__ = ["TraceRecorder"]
 

@@ -1,0 +1,370 @@
+"""The command line's parser and the parsing shared by ``generate`` and ``serve``.
+
+This module imports neither torch nor diffusers, so ``--help``, ``--version`` and a bad
+flag or config answer at once. Both :mod:`diffusion_offload.cli` and
+:mod:`diffusion_offload.server.app` import from here (never from each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_USAGE",
+    "CliError",
+    "build_parser",
+    "parse_bytes",
+    "parse_config_args",
+    "read_config_arg",
+    "version",
+]
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+DEFAULT_PROMPT = "a red fox running through fresh snow"
+
+_TINY_KINDS = ("wan2.1", "wan2.2", "flux", "sd3", "qwen-image")  # testing.tiny_pipelines.KINDS
+
+
+class CliError(Exception):
+    """A user error: printed as one line ``diffusion-offload: error: ...``, exit status 2
+    (or ``status``)."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def version() -> str:
+    """The installed package version (``diffusion_offload.__version__`` as a fallback)."""
+    try:
+        from importlib.metadata import version as _v
+
+        return _v("diffusion_offload")
+    except Exception:  # not installed (a source checkout on sys.path)
+        from . import __version__
+
+        return __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors as one line ``diffusion-offload: error: --flag: ...`` (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        message = re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1: ", message)
+        print(f"diffusion-offload: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _int(flag: str, minimum: int | None = None, maximum: int | None = None):
+    """An argparse ``type`` for an int in ``[minimum, maximum]``, with an error naming it."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if minimum is not None and value < minimum:
+            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}")
+        if maximum is not None and value > maximum:
+            bound = f"<= {maximum}" if minimum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _float(minimum: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not value >= minimum or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum:g}, got {text!r}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as ``"40GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1048576"`` in bytes.
+
+    Binary units (KiB, MiB, GiB, TiB, and the short K, M, G, T) are powers of 1024;
+    decimal units (kB, MB, GB, TB) powers of 1000; no unit or ``B`` means bytes.
+
+    Raises:
+        ValueError: not a number >= 0 with one of those units.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{text!r} is not a size; use bytes or a number with a unit: KiB, MiB, GiB, TiB "
+            "(powers of 1024) or kB, MB, GB, TB (powers of 1000), e.g. '40GiB'"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _bytes_type(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_bytes_type.__name__ = "size"
+
+
+def read_config_arg(text: str | None) -> Any:
+    """The JSON object of ``--diffusion-offload-config`` (inline JSON or ``@FILE``), or None.
+
+    Raises:
+        CliError: unreadable file, invalid JSON, a repeated key, or not a JSON object.
+    """
+    if text is None:
+        return None
+    from .config import reject_duplicate_keys
+
+    if text.startswith("@"):
+        file = Path(text[1:])
+        if file.is_dir():
+            raise CliError(f"--diffusion-offload-config: {str(file)!r} is a folder, not a JSON file")
+        if not file.is_file():
+            raise CliError(f"--diffusion-offload-config: file {str(file)!r} does not exist")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"--diffusion-offload-config: cannot read {str(file)!r} as UTF-8 text ({exc})") from None
+    try:
+        value = json.loads(text, object_pairs_hook=reject_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--diffusion-offload-config is not valid JSON: {exc}") from None
+    except ValueError as exc:  # a repeated key
+        raise CliError(f"--diffusion-offload-config: {exc}") from None
+    if not isinstance(value, dict):
+        raise CliError(
+            f"--diffusion-offload-config must be a JSON object like "
+            f'{{"mode": "module", "components": ["dit", "text_encoder"]}}, got {value!r}'
+        )
+    return value
+
+
+def parse_config_args(args: argparse.Namespace):
+    """The validated config from ``--diffusion-offload-config`` / ``--enable-cpu-offload``.
+
+    Returns:
+        A ``DiffusionOffloadConfig``, or None (no offload).
+
+    Raises:
+        CliError: the config is not valid (the message names the flag and the field).
+    """
+    from .config import parse_diffusion_offload_config
+
+    raw = read_config_arg(args.diffusion_offload_config)
+    try:
+        return parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"--diffusion-offload-config: {exc}") from None
+
+
+# ---------------------------------------------------------------------- the parser
+
+SERVER_FIELDS = """\
+request fields (an omitted field takes the server's default; limits apply to the
+resolved value; unknown fields answer 400):
+
+POST /v1/images/generations (application/json):
+  prompt               text, required, 1-10000 characters
+  model                must be the served model's id (optional)
+  n                    images, 1-10 (default 1)
+  size                 "WIDTHxHEIGHT" or "auto" (default: the model's; 32x32 for a
+                       make-tiny model); width*height <= --max-pixels, each side a
+                       multiple of the model's size multiple (VAE scale x patch size)
+  response_format      "b64_json" (the only one; default)
+  negative_prompt      text (default none)
+  num_inference_steps  1 to --max-steps (default: the model's; 2 for a make-tiny model)
+  guidance_scale       0-1000 (default: the pipeline's)
+  seed                 0 to 2**62 (default: random); image i uses seed + i
+  user                 accepted and ignored
+
+POST /v1/videos (application/json or multipart/form-data):
+  prompt, model, size, negative_prompt, num_inference_steps, guidance_scale, seed
+                       as above
+  seconds              OpenAI's duration: converted to frames at fps and rounded to
+                       a frame count the model accepts (Wan: 4k+1)
+  num_frames           1 to --max-frames (default: the model's; 5 for a make-tiny
+                       model); give seconds or num_frames, not both
+  fps                  1-240 (default 16)
+  guidance_scale_2     0-1000, the low-noise expert's guidance (Wan2.2; default the
+                       pipeline's)
+"""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--diffusion-offload-config", metavar="JSON_OR_@FILE",
+                   help='offload config as JSON or @FILE, e.g. '
+                        '\'{"mode":"module","components":["dit","text_encoder"]}\' '
+                        "(default: none, everything on the device)")
+    p.add_argument("--enable-cpu-offload", action="store_true",
+                   help="legacy switch: model-level offload of every DiT and encoder (default: off)")
+    p.add_argument("--device",
+                   help="cuda[:N], xpu, npu, mps, fakegpu (the CPU-backed test accelerator) or cpu "
+                        "(default: the first accelerator found, else cpu)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weight dtype (default: auto, the checkpoint's own)")
+    p.add_argument("--variant", metavar="NAME",
+                   help="weight file variant to load, e.g. fp16 for *.fp16.safetensors, as "
+                        "diffusers' variant= (default: none, the plain weight files)")
+    p.add_argument("--max-pinned-memory", metavar="SIZE", type=_bytes_type,
+                   help="cap on pinned host memory for host copies; the rest stays pageable "
+                        "(e.g. 40GiB, 512MiB or bytes; default: no cap)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``diffusion-offload`` parser: ``generate``, ``serve``, ``make-tiny``."""
+    parser = _Parser(
+        prog="diffusion-offload",
+        description="Run diffusion pipelines larger than one accelerator by model-level offload.",
+    )
+    parser.add_argument("--version", action="version", version=f"diffusion-offload {version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate", help="generate an image or a video",
+        description="Generate one image or video and print a summary table.",
+    )
+    gen.add_argument("--model", help="pipeline directory or hub id "
+                                      "(default: the embedded tiny Wan2.2, built on first use)")
+    gen.add_argument("--prompt", help=f"the text prompt (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("--negative-prompt", help="what to avoid (default: none)")
+    gen.add_argument("--output", metavar="FILE",
+                     help=".png for image models, .mp4 or .gif for video models "
+                          "(default: output.mp4 or output.png)")
+    gen.add_argument("--overwrite", action="store_true",
+                     help="replace existing --output/--report/--trace files (default: refuse)")
+    _add_engine_args(gen)
+    gen.add_argument("--steps", type=_int("--steps", 1), metavar="N",
+                     help="denoising steps (default: the model's; 2 for a make-tiny model)")
+    gen.add_argument("--seed", type=_int("--seed", 0, 2**63 - 1), metavar="N",
+                     help="seed of the CPU generator (default: 0)")
+    gen.add_argument("--height", type=_int("--height", 1), metavar="PIXELS",
+                     help="output height (default: the model's; 32 for a make-tiny model)")
+    gen.add_argument("--width", type=_int("--width", 1), metavar="PIXELS",
+                     help="output width (default: the model's; 32 for a make-tiny model)")
+    gen.add_argument("--num-frames", type=_int("--num-frames", 1), metavar="N",
+                     help="frames of a video (default: the model's; 5 for a make-tiny model)")
+    gen.add_argument("--fps", type=_int("--fps", 1, 240), metavar="N",
+                     help="frames per second of the written video (default: 16)")
+    gen.add_argument("--report", metavar="FILE.json",
+                     help="write a JSON report: the full request, timings, memory, transfers "
+                          "(default: none)")
+    gen.add_argument("--trace", metavar="FILE.json",
+                     help="write a Chrome trace, opens in Perfetto (default: none)")
+    gen.add_argument("--from-report", metavar="FILE.json",
+                     help="repeat the request recorded in a --report file; flags given here "
+                          "override it (default: none)")
+
+    srv = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-style HTTP API",
+        description="Serve one model: OpenAI-style images API, async video jobs, /metrics.",
+        epilog=SERVER_FIELDS, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    srv.add_argument("model", help="pipeline directory or hub id (required)")
+    srv.add_argument("--omni", action="store_true",
+                     help="accepted for vLLM-Omni command-line compatibility (default: off)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    srv.add_argument("--port", type=_int("--port", 0, 65535), default=8000,
+                     help="port to bind, 0 picks a free one (default: 8000)")
+    _add_engine_args(srv)
+    srv.add_argument("--api-key",
+                     help="require 'Authorization: Bearer KEY' on /v1/* (printable ASCII; "
+                          "default: no key)")
+    srv.add_argument("--allowed-origins", metavar="ORIGIN[,ORIGIN...]", default="",
+                     help="browser origins (scheme://host[:port]) allowed to call the API besides "
+                          "the server's own, comma-separated (default: none)")
+    srv.add_argument("--allowed-hosts", metavar="HOST[,HOST...]", default="",
+                     help="Host header names accepted besides the bound address and localhost "
+                          "when bound to loopback, comma-separated (default: none)")
+    srv.add_argument("--max-queue", type=_int("--max-queue", 1), default=32,
+                     help="waiting jobs before 429 (default: 32)")
+    srv.add_argument("--max-pixels", type=_int("--max-pixels", 1), default=1024 * 1024,
+                     help="largest width*height a request may resolve to (default: 1048576)")
+    srv.add_argument("--max-frames", type=_int("--max-frames", 1), default=129,
+                     help="largest num_frames of a video job (default: 129)")
+    srv.add_argument("--max-steps", type=_int("--max-steps", 1), default=100,
+                     help="largest num_inference_steps (default: 100)")
+    srv.add_argument("--max-body-bytes", type=_int("--max-body-bytes", 1), default=1048576,
+                     help="largest request body in bytes, else 413 (default: 1048576)")
+    srv.add_argument("--shutdown-grace", type=_float(0.0), default=30.0,
+                     help="seconds the running job may finish after SIGINT/SIGTERM (default: 30)")
+    srv.add_argument("--job-ttl", type=_float(0.0), default=3600.0,
+                     help="seconds a finished video job is kept before it expires (default: 3600)")
+    srv.add_argument("--max-stored-jobs", type=_int("--max-stored-jobs", 1), default=100,
+                     help="most video jobs kept; the oldest finished ones are dropped first "
+                          "(default: 100)")
+
+    tiny = sub.add_parser(
+        "make-tiny", help="write a tiny random-weight pipeline in diffusers format",
+        description="Write a tiny random-weight pipeline (seconds to build, for trying things out).",
+    )
+    tiny.add_argument("kind", choices=_TINY_KINDS, help=f"one of {', '.join(_TINY_KINDS)} (required)")
+    tiny.add_argument("dir", help="a new or empty folder (required)")
+    tiny.add_argument("--seed", type=_int("--seed", 0, 2**63 - 1), default=0,
+                      help="weights are a pure function of kind and seed (default: 0)")
+    tiny.add_argument("--overwrite", action="store_true",
+                      help="replace the folder if make-tiny wrote it earlier; never another "
+                           "folder (default: refuse any non-empty folder)")
+    return parser
+
+
+def quiet_libraries() -> None:
+    """Silence library chatter that does not concern the user, the same way in every command:
+    transformers/diffusers/huggingface_hub warnings below error level, their loading and
+    saving progress bars, and Python warnings raised inside those libraries and torch.
+
+    Environment variables are set first (``setdefault``, so a user's own choice wins) so
+    that libraries imported later start quiet; libraries already imported are set directly.
+    """
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for module in ("diffusers", "transformers", "torch", "huggingface_hub", "accelerate", "torchvision"):
+        warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
+    for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if "diffusers" in sys.modules:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.set_verbosity_error()
+        diffusers_logging.disable_progress_bar()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
