@@ -385,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``diffusion-offload``; returns the exit status (0 ok, 1 the model
     failed while running, 2 a bad input, 130 interrupted)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad flag (already printed)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         if args.command == "generate":
             return _generate(args)

@@ -7,27 +7,34 @@ Endpoints (OpenAI's shapes; every error is ``{"error": {"message", "type", "para
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model, its id as given on the
   command line.
 - ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs.
-- ``POST /v1/videos`` (JSON or form) -> a queued video job; ``GET /v1/videos``,
+- ``POST /v1/videos`` (JSON or multipart form) -> a queued video job; ``GET /v1/videos``,
   ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (the mp4; 409 until
   completed), ``DELETE /v1/videos/{id}`` (cancel queued / delete finished; 409 while in
   progress).
 - ``GET /metrics``: Prometheus text format (see :mod:`.metrics`).
 
+Requests from other web pages are refused with 403 (foreign ``Origin``,
+``Sec-Fetch-Site: cross-site``, or, on loopback, a foreign ``Host``; see :mod:`.middleware`).
 With an API key, every ``/v1/`` route needs ``Authorization: Bearer KEY`` (401 otherwise);
 ``/health`` and ``/metrics`` do not. Request bodies over ``max_body_bytes`` answer 413
 (by ``Content-Length`` and by the bytes actually received). Every generation, image
 requests included, runs on one worker thread, one at a time (:mod:`.jobs`); a full queue
-answers 429. Finished videos are kept in memory until deleted.
+answers 429. Finished video jobs are kept for ``--job-ttl`` seconds, at most
+``--max-stored-jobs`` of them (oldest finished dropped first); an expired id answers 404.
+An omitted field takes the server's default (the model's) and limits apply to the
+resolved values. A 5xx carries a generic message and a request id; details are logged.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -72,6 +79,15 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="diffusion-offload", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     add_routes(app, state)
+    if settings.allowed_origins:  # CORS answers (and preflights) for the allowed origins only
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(GuardMiddleware, state=state)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics, routes=lambda: app.routes)
     return app
@@ -85,21 +101,55 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port``.
+
+    Raises:
+        ValueError: the address cannot be used (in use, not an address of this machine,
+            no permission); one line naming ``--host``/``--port``.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} is not an address or a known host name ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"--port {port}: address {host}:{port} is already in use (another server?); "
+                "choose another --port, or --port 0 for a free one"
+            ) from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise ValueError(
+                f"--port {port}: no permission to bind {host}:{port} (ports below 1024 need "
+                "privileges); choose a port from 1024 to 65535"
+            ) from None
+        raise ValueError(f"--host {host!r} --port {port}: cannot bind ({exc.strerror or exc})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run ``diffusion-offload serve``; returns the exit status.
 
-    Settings, offload config, dtype, device and model files are validated first (a bad
-    one prints one line ``diffusion-offload: error: ...`` and returns 2, loading
-    nothing). Then uvicorn binds ``--host``/``--port`` and the model loads in the
-    background. SIGINT/SIGTERM stop new work, let the running job finish for up to
-    ``--shutdown-grace`` seconds, then mark it failed; temporary files live in a private
-    folder removed on exit. A model that fails to load in the background stops the
-    server: status 2 when it is a user error (fit check, model files, bad value), else 1.
-    A generation still running after the grace ends the process with ``os._exit`` once
-    everything is answered and cleaned up (exiting the interpreter under native code
-    would abort it).
+    Settings, offload config, dtype, device and model files (``--variant``, truncated or
+    corrupt safetensors) are validated and the address is bound first: a bad one prints
+    one line ``diffusion-offload: error: ...`` and returns 2, loading nothing. Then
+    the model loads in the background. SIGINT/SIGTERM stop new work, let the running job
+    finish for up to ``--shutdown-grace`` seconds, then mark it failed; temporary files
+    live in a private folder removed on exit. A model that fails to load in the
+    background stops the server: status 2 when it is a user error (fit check, model
+    files, bad value), else 1. A generation still running after the grace ends the
+    process with ``os._exit`` once everything is answered and cleaned up (exiting the
+    interpreter under native code would abort it).
     """
-    from ..cli import CliError, parse_config_args
+    from ..cli_args import CliError, parse_config_args, quiet_libraries
 
     try:
         settings = ServerSettings.from_args(args)
@@ -109,20 +159,29 @@ def serve(args: argparse.Namespace) -> int:
     except (CliError, ValueError) as exc:
         return _fail(str(exc))
 
-    from ..engine import FitError, ModelError, Omni
+    quiet_libraries()
+    from ..engine import FitError, ModelError
     from ..engine.model_files import inspect_model, resolve_model
     from ..engine.omni import parse_dtype, pick_device
+    from ..engine.requests import build_omni
 
     try:
         dtype = parse_dtype(args.dtype)
         device = pick_device(args.device)
         model_dir = resolve_model(args.model)
-        inspect_model(model_dir)
+        inspect_model(model_dir, getattr(args, "variant", None))
     except (ModelError, ValueError, TypeError) as exc:
         return _fail(str(exc))
+    try:
+        sock = _bind(args.host, args.port)
+    except ValueError as exc:
+        return _fail(str(exc))
+    variant = getattr(args, "variant", None)
+    pinned = getattr(args, "max_pinned_memory", None)
 
     def factory() -> Any:
-        return Omni(str(model_dir), config, device=device, dtype=dtype, progress=False)
+        return build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned,
+                          device=device, dtype=dtype, progress=False)
 
     tmp = tempfile.mkdtemp(prefix="diffusion-offload-serve-")
     previous_tmp = tempfile.tempdir
@@ -134,7 +193,7 @@ def serve(args: argparse.Namespace) -> int:
             uvicorn.Config(
                 app,
                 host=args.host,
-                port=args.port,
+                port=sock.getsockname()[1],
                 lifespan="on",
                 log_level="info",
                 timeout_graceful_shutdown=settings.shutdown_grace + 5.0,
@@ -147,14 +206,16 @@ def serve(args: argparse.Namespace) -> int:
 
         state.request_shutdown = stop_serving
         try:
-            server.run()
-        except SystemExit as exc:  # uvicorn exits when it cannot bind
+            server.run(sockets=[sock])
+        except SystemExit as exc:  # uvicorn exits when it cannot serve
             code = exc.code if isinstance(exc.code, int) else 1
             return code or 1
+        finally:
+            sock.close()
         status = 0
         if state.load_error is not None:
             error = state.load_error
-            user_error = (FitError, ModelError, ValueError, TypeError, NotImplementedError)
+            user_error = (FitError, ModelError, ValueError, TypeError, NotImplementedError, OSError)
             status = 2 if isinstance(error, user_error) else 1
         stuck = not state.jobs.join(timeout=5.0) or state.loading
     finally:

@@ -11,6 +11,7 @@ __all__ = ["APIError", "error_body", "error_response"]
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     409: "invalid_request_error",

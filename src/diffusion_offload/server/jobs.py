@@ -122,8 +122,13 @@ class JobManager:
         runner: ``runner(job) -> result``, run in the worker thread; an exception fails
             the job with ``"<ExceptionType>: <message>"``.
         max_queue: most jobs waiting (the running job not counted).
-        on_finish: called with every finished job (metrics), in the finishing thread.
+        on_finish: called once with every finished job (metrics), in the finishing thread.
         error_code: ``error_code(exc) -> str``, the ``code`` of a failed job's error.
+        error_message: ``error_message(job, exc) -> str``, the ``message`` of a failed
+            job's error as the client sees it (default ``"<ExceptionType>: <message>"``);
+            the exception itself is always logged.
+        job_ttl: seconds a finished kept job stays retrievable (None: forever).
+        max_stored: most kept jobs; the oldest finished ones are dropped first.
     """
 
     def __init__(
@@ -132,11 +137,17 @@ class JobManager:
         max_queue: int,
         on_finish: Callable[[Job], None] | None = None,
         error_code: Callable[[BaseException], str] | None = None,
+        error_message: Callable[[Job, BaseException], str] | None = None,
+        job_ttl: float | None = None,
+        max_stored: int | None = None,
     ) -> None:
         self.runner = runner
         self.max_queue = max_queue
         self.on_finish = on_finish
         self.error_code = error_code or (lambda exc: "generation_failed")
+        self.error_message = error_message or (lambda job, exc: f"{type(exc).__name__}: {exc}")
+        self.job_ttl = job_ttl
+        self.max_stored = max_stored
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._store: dict[str, Job] = {}
@@ -184,20 +195,53 @@ class JobManager:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting); retry later")
+            if job.store:
+                self._prune(room=1)
+                if self.max_stored is not None and len(self._store) >= self.max_stored:
+                    raise QueueFull(
+                        f"{len(self._store)} video jobs are queued or running, the most this "
+                        "server keeps (--max-stored-jobs); retry later"
+                    )
             self._waiting.append(job)
             if job.store:
                 self._store[job.id] = job
             self._cond.notify_all()
         return job
 
+    def _prune(self, room: int = 0) -> None:
+        """Drop expired finished jobs, then the oldest finished ones until ``room`` more
+        fit under ``max_stored`` (caller holds the lock)."""
+        if self.job_ttl is not None:
+            cutoff = time.time() - self.job_ttl
+            for job_id, job in list(self._store.items()):
+                if job.finished and (job.completed_at or 0.0) <= cutoff:
+                    del self._store[job_id]
+        if self.max_stored is not None:
+            excess = len(self._store) + room - self.max_stored
+            if excess > 0:
+                finished = sorted((j for j in self._store.values() if j.finished),
+                                  key=lambda j: (j.completed_at or 0.0, j.created_at))
+                for job in finished[:excess]:
+                    del self._store[job.id]
+
     def get(self, job_id: str) -> Job | None:
-        """A kept job by id."""
-        return self._store.get(job_id)
+        """A kept job by id (None when unknown, deleted or expired)."""
+        with self._cond:
+            self._prune()
+            return self._store.get(job_id)
 
     def list(self) -> list[Job]:
-        """Kept jobs, oldest first."""
+        """Kept jobs, oldest first (expired ones dropped)."""
         with self._cond:
+            self._prune()
             return sorted(self._store.values(), key=lambda j: j.created_at)
+
+    @property
+    def stored(self) -> int:
+        """Number of kept jobs (after dropping expired ones)."""
+        with self._cond:
+            self._prune()
+            return len(self._store)
 
     def delete(self, job_id: str) -> Job:
         """Cancel a queued job or forget a finished one.
@@ -207,32 +251,37 @@ class JobManager:
             JobInProgress: the job is running.
         """
         with self._cond:
+            self._prune()
             job = self._store.get(job_id)
             if job is None:
                 raise KeyError(job_id)
             if job.status == IN_PROGRESS:
                 raise JobInProgress(job_id)
-            if job.status == QUEUED:
+            was_queued = job.status == QUEUED
+            if was_queued:
                 self._waiting.remove(job)
                 self._fail(job, "cancelled", "the job was cancelled before it started")
             del self._store[job_id]
-        self._finish_outside_lock(job)
+        if was_queued:  # a finished job was counted when it finished
+            self._finish_outside_lock(job)
         return job
 
-    def cancel(self, job: Job) -> bool:
+    def cancel(self, job: Job, message: str = "the request was cancelled before the job started") -> bool:
         """Drop ``job`` if it is still queued (its caller went away); True if dropped."""
         with self._cond:
             if job.status != QUEUED:
                 return False
             self._waiting.remove(job)
             self._store.pop(job.id, None)
-            self._fail(job, "cancelled", "the request was cancelled before the job started")
+            self._fail(job, "cancelled", message)
         self._finish_outside_lock(job)
         return True
 
     # ------------------------------------------------------------------ worker
 
     def _fail(self, job: Job, code: str, message: str) -> None:
+        if job.finished:  # never finish (or count) a job twice
+            return
         job.status = FAILED
         job.error = {"code": code, "message": message}
         job.completed_at = time.time()
@@ -272,9 +321,12 @@ class JobManager:
                         job.progress = 100.0
                         job.completed_at = time.time()
                     else:
-                        message = f"{type(error).__name__}: {error}"
+                        try:
+                            message = self.error_message(job, error)
+                        except Exception:
+                            message = "the job failed; the server log has the details"
                         self._fail(job, self.error_code(error), message)
-                        logger.error("job %s failed: %s", job.id, message)
+                        logger.error("job %s failed: %s: %s", job.id, type(error).__name__, error)
                 else:
                     logger.warning(
                         "job %s finished after it was marked failed; its result is dropped", job.id

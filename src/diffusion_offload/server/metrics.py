@@ -4,7 +4,9 @@ Exposed at ``GET /metrics`` (text format):
 
 - ``diffusion_offload_http_requests_total{endpoint,method,status}`` and
   ``diffusion_offload_http_request_duration_seconds{endpoint,method}`` (histogram); the
-  endpoint is the route template (``/v1/videos/{video_id}``), ``other`` for unknown paths.
+  endpoint is the route template (``/v1/videos/{video_id}``), ``other`` for unknown paths;
+  the method is one of the standard ones or ``other``, so label sets stay bounded whatever
+  clients send.
 - ``diffusion_offload_jobs_total{kind,status}`` (status ``completed``, ``failed``,
   ``cancelled``), ``diffusion_offload_job_queue_seconds{kind}`` and
   ``diffusion_offload_job_run_seconds{kind}`` (histograms).
@@ -39,6 +41,8 @@ from starlette.routing import Match
 __all__ = ["CONTENT_TYPE_LATEST", "MetricsMiddleware", "ServerMetrics"]
 
 _PREFIX = "diffusion_offload"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_STATUSES = frozenset(range(100, 600))
 _HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 _STATS = (
@@ -203,5 +207,7 @@ class MetricsMiddleware:
         finally:
             endpoint = self._endpoint(scope)
             method = scope.get("method", "GET")
-            self.metrics.requests.labels(endpoint, method, str(status["code"])).inc()
+            method = method if method in _METHODS else "other"  # label values stay bounded
+            code = status["code"] if status["code"] in _STATUSES else 500
+            self.metrics.requests.labels(endpoint, method, str(code)).inc()
             self.metrics.latency.labels(endpoint, method).observe(time.perf_counter() - start)

@@ -1,10 +1,26 @@
-"""ASGI middleware: the API key, refusal of new work while shutting down, the body-size limit."""
+"""ASGI middleware: Host and Origin checks, the API key, refusal of new work while shutting
+down, the body-size limit.
+
+Cross-site protection (a web page the user visits must not reach a local server):
+
+- ``Host``: when the server is bound to a loopback address, only the bound address,
+  ``localhost`` and ``--allowed-hosts`` are accepted (a DNS-rebinding page sends its own
+  host name). Bound elsewhere, ``--allowed-hosts`` (when given) is enforced.
+- ``Origin``: a request that carries one (browsers do for cross-origin and for POST
+  requests) must come from the server itself (``Origin`` matches ``Host``) or from
+  ``--allowed-origins``; ``Origin: null`` is foreign. Without ``Origin``,
+  ``Sec-Fetch-Site: cross-site`` is refused too. Clients such as curl send neither.
+
+Refusals answer 403 with the error envelope and never reach the app.
+"""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from .errors import APIError
 from .state import ServerState
@@ -21,8 +37,65 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
+_LOCAL_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    name = host.strip("[]").lower()
+    if name in _LOCAL_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(value: str) -> str:
+    """The host part of a ``Host`` header or origin netloc, lower case, IPv6 unbracketed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def cross_site_refusal(scope: dict, settings: Any) -> str | None:
+    """Why the request must be refused as cross-site (a message), or None to accept it."""
+    bound = _host_name(settings.host)
+    host_header = _header(scope, b"host")
+    allowed = set(settings.allowed_hosts)
+    enforce_host = is_loopback(bound) or bool(allowed)
+    if enforce_host:
+        allowed |= {bound, *_LOCAL_NAMES} if is_loopback(bound) else {bound}
+        name = _host_name(host_header) if host_header else ""
+        if name not in allowed:
+            shown = host_header if host_header is not None else "(none)"
+            return (f"Host {shown!r} is not allowed: this server answers to "
+                    f"{', '.join(sorted(allowed))} (add names with --allowed-hosts).")
+    origin = _header(scope, b"origin")
+    if origin is not None:
+        normalized = origin.strip().rstrip("/").lower()
+        if normalized in settings.allowed_origins:
+            return None
+        parts = urlsplit(normalized)
+        same = (
+            host_header is not None
+            and parts.scheme in ("http", "https")
+            and parts.netloc == host_header.strip().lower()
+        )
+        if not same:
+            return (f"Origin {origin!r} is not allowed: cross-origin requests are refused "
+                    "(allow an origin with --allowed-origins).")
+        return None
+    if (_header(scope, b"sec-fetch-site") or "").strip().lower() == "cross-site":
+        return ("Cross-site request refused (Sec-Fetch-Site: cross-site); allow its origin "
+                "with --allowed-origins.")
+    return None
+
+
 class GuardMiddleware:
-    """API key on ``/v1/``, refusal of new work while shutting down, and the body-size limit.
+    """Host/Origin checks (403), API key on ``/v1/`` (401), refusal of new work while
+    shutting down (503), and the body-size limit (413).
 
     The body is read here (at most ``max_body_bytes`` kept) and replayed to the app; an
     oversized body is drained (up to a cap) before the 413 so the client reads the answer.
@@ -40,11 +113,22 @@ class GuardMiddleware:
         settings = self.state.settings
         path = scope.get("path", "")
         method = scope.get("method", "GET")
+        refusal = cross_site_refusal(scope, settings)
+        if refusal is not None:
+            await APIError(403, refusal, code="forbidden", type="permission_error").response()(
+                scope, receive, send
+            )
+            return
         if settings.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
-            auth = _header(scope, b"authorization") or ""
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), settings.api_key.encode()
+            raw = b""
+            for key, value in scope.get("headers", ()):
+                if key.lower() == b"authorization":
+                    raw = value
+                    break
+            auth = raw.decode("latin-1")
+            scheme, _, token = raw.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(
+                token.strip(), settings.api_key.encode("ascii")
             ):
                 message = (
                     "Incorrect API key provided."

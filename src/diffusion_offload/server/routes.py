@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -23,14 +24,48 @@ from .schemas import (
     form_to_dict,
     validation_error,
 )
-from .state import JobSpec, ServerState, random_seed
+from .state import ClientGone, JobSpec, ServerState, random_seed
 
 __all__ = ["add_routes"]
 
 logger = logging.getLogger("diffusion_offload.server")
 
 _JSON = "application/json"
-_FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+_MULTIPART = "multipart/form-data"
+
+
+def _resolve(state: ServerState, req: Any, video: bool) -> dict[str, Any]:
+    """The request's size, steps and frames with omitted fields set to the server's
+    defaults (the model's: a make-tiny model's small ones, else the pipeline's)."""
+    from ..engine.requests import DEFAULT_FPS, frames_for_seconds
+
+    rules = state.rules
+    defaults = dict(rules.defaults) if rules is not None else {}
+    width, height = req.dimensions or (defaults.get("width"), defaults.get("height"))
+    values: dict[str, Any] = {
+        "width": width,
+        "height": height,
+        "num_inference_steps": req.num_inference_steps
+        if req.num_inference_steps is not None
+        else defaults.get("num_inference_steps"),
+    }
+    if video:
+        if req.seconds is not None:
+            fps = req.fps or DEFAULT_FPS
+            values["num_frames"] = frames_for_seconds(req.seconds, fps, state.limits.frame_step)
+        else:
+            values["num_frames"] = (
+                req.num_frames if req.num_frames is not None else defaults.get("num_frames")
+            )
+    return values
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return once the client has disconnected (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _media_type(request: Request) -> str:
@@ -92,18 +127,30 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        request_id = f"req_{secrets.token_hex(8)}"
+        logger.error(
+            "request %s: unexpected error on %s %s",
+            request_id,
+            request.method,
+            request.url.path,
+            exc_info=exc,
+        )
         return APIError(
-            500, f"Internal server error: {type(exc).__name__}: {exc}", code="internal_error"
+            500,
+            f"Internal server error (request id {request_id}); the server log has the details.",
+            code="internal_error",
+            headers={"X-Request-ID": request_id},
         ).response()
 
     # -------------------------------------------------------------- health, models, metrics
 
     @app.get("/health")
     async def health() -> Any:
-        """200 once the model is loaded; 503 while loading or shutting down."""
-        state.require_engine()
-        return {"status": "ok", "model": settings.model_id}
+        """``{"status": "ok"}`` (200) once the model is loaded; ``"loading"`` or
+        ``"failed"`` (503) before, ``"shutting_down"`` (503) after SIGTERM. Nothing else:
+        no key is needed, so no detail is given."""
+        status = state.health
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     def model_card() -> dict[str, Any]:
         """The OpenAI model object of the one served model (id = MODEL as given)."""
@@ -159,13 +206,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 param="model",
                 code="unsupported_model",
             )
-        check_limits(req, state.limits)
-        width, height = req.dimensions or (None, None)
+        values = _resolve(state, req, video=False)
+        check_limits(req, state.limits, values)
         n = req.n or 1
         params = SamplingParams(
-            height=height,
-            width=width,
-            num_inference_steps=req.num_inference_steps,
+            height=values["height"],
+            width=values["width"],
+            num_inference_steps=values["num_inference_steps"],
             guidance_scale=req.guidance_scale,
             seed=req.seed if req.seed is not None else random_seed(),
             num_outputs_per_prompt=n,
@@ -176,7 +223,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
         )
         job = Job("image", JobSpec(prompt, params, size=req.size))
-        pngs = await state.run_and_wait(job)
+        try:
+            pngs = await state.run_and_wait(job, lambda: _wait_disconnect(request))
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening
         return {
             "created": int(time.time()),
             "data": [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs],
@@ -202,7 +252,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             if media == _JSON:
                 req = VideoGenerationRequest.model_validate_json(await request.body(), strict=True)
-            elif media in _FORMS:
+            elif media == _MULTIPART:
                 form = await request.form()
                 try:
                     data = form_to_dict(list(form.multi_items()))
@@ -210,7 +260,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                     await form.close()
                 req = VideoGenerationRequest.model_validate(data, strict=False)
             else:
-                raise _wrong_content_type(media, (_JSON,) + _FORMS)
+                raise _wrong_content_type(media, (_JSON, _MULTIPART))
         except ValidationError as exc:
             raise validation_error(exc) from None
         engine = state.require_engine()
@@ -223,14 +273,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 param="model",
                 code="unsupported_model",
             )
-        check_limits(req, state.limits)
-        width, height = req.dimensions or (None, None)
+        values = _resolve(state, req, video=True)
+        check_limits(req, state.limits, values)
         params = SamplingParams(
-            height=height,
-            width=width,
-            num_frames=req.num_frames,
+            height=values["height"],
+            width=values["width"],
+            num_frames=values["num_frames"],
             fps=req.fps,
-            num_inference_steps=req.num_inference_steps,
+            num_inference_steps=values["num_inference_steps"],
             guidance_scale=req.guidance_scale,
             guidance_scale_2=req.guidance_scale_2,
             seed=req.seed if req.seed is not None else random_seed(),

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import APIError
 
@@ -93,22 +93,50 @@ class ImageGenerationRequest(_Request):
     seed: int | None = _Seed
 
 
-class VideoGenerationRequest(_Request):
-    """Body of ``POST /v1/videos`` (JSON or form).
+MAX_SECONDS = 3600.0
 
-    ``seconds`` of OpenAI's API is not a field: the length is ``num_frames`` at ``fps``.
+
+class VideoGenerationRequest(_Request):
+    """Body of ``POST /v1/videos`` (JSON or multipart form).
+
+    ``seconds`` is OpenAI's duration (a string such as ``"4"``, or a number): converted to
+    frames at ``fps`` and rounded to a count the model accepts. Give it or
+    ``num_frames``, not both.
     """
 
     prompt: str = _Prompt
     model: str | None = None
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     size: str | None = None
+    seconds: str | float | int | None = None
     num_frames: int | None = Field(None, ge=1)
     fps: int | None = Field(None, ge=1, le=240)
     num_inference_steps: int | None = _Steps
     guidance_scale: float | None = _Guidance
     guidance_scale_2: float | None = _Guidance
     seed: int | None = _Seed
+
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds(cls, value: str | float | int | None) -> float | None:
+        if value is None:
+            return None
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"seconds must be a number of seconds such as '4', got {value!r}") from None
+        if not 0 < seconds <= MAX_SECONDS:
+            raise ValueError(f"seconds must be > 0 and at most {MAX_SECONDS:g}, got {value!r}")
+        return seconds
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "VideoGenerationRequest":
+        if self.seconds is not None and self.num_frames is not None:
+            raise ValueError("give 'seconds' or 'num_frames', not both")
+        return self
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -122,6 +150,8 @@ def validation_error(exc: ValidationError) -> APIError:
         return APIError(
             400, f"We could not parse the JSON body of your request: {msg}", code="invalid_json"
         )
+    if param is None and kind == "value_error":
+        return APIError(400, f"Invalid request: {msg}.", code="invalid_value")
     if param is None:
         return APIError(400, "The request body must be a JSON object.", code="invalid_body")
     if kind == "missing":
@@ -166,55 +196,69 @@ class Limits:
     call_params: frozenset[str] | None = None
 
 
-def check_limits(req: ImageGenerationRequest | VideoGenerationRequest, limits: Limits) -> None:
-    """Server limits and pipeline support of the fields given.
+def _over(field: str, value: int, text: str, limit: int, flag: str, given: bool) -> APIError:
+    if given:
+        message = (f"Invalid value for '{field}': {text} is over this server's limit of {limit} "
+                   f"({flag}).")
+    else:
+        message = (f"Invalid request: '{field}' was omitted and the model's default ({text}) is "
+                   f"over this server's limit of {limit} ({flag}); give a smaller '{field}'.")
+    return APIError(400, message, param=field, code="invalid_value")
+
+
+def check_limits(
+    req: ImageGenerationRequest | VideoGenerationRequest,
+    limits: Limits,
+    values: dict[str, Any] | None = None,
+) -> None:
+    """Server limits and pipeline support of the resolved request.
+
+    Args:
+        req: the validated request (which fields were given, and the pipeline knobs).
+        limits: the server's limits and the model's size rules.
+        values: the resolved ``width``, ``height``, ``num_frames`` and
+            ``num_inference_steps`` (an omitted field already replaced by the server's
+            default); None: only the fields given are checked.
 
     Raises:
-        APIError: 400 naming the field.
+        APIError: 400 naming the field (and saying when the value is a default).
     """
-    dims = req.dimensions
-    if dims is not None:
-        width, height = dims
+    if values is None:
+        width, height = req.dimensions or (None, None)
+        values = {"width": width, "height": height,
+                  "num_inference_steps": req.num_inference_steps,
+                  "num_frames": getattr(req, "num_frames", None)}
+    given = req.model_fields_set
+    width, height = values.get("width"), values.get("height")
+    size_given = "size" in given and req.dimensions is not None
+    if width is not None and height is not None:
         if width * height > limits.max_pixels:
-            raise APIError(
-                400,
-                f"Invalid value for 'size': {width}x{height} is {width * height} pixels, over this "
-                f"server's limit of {limits.max_pixels} (--max-pixels).",
-                param="size",
-                code="invalid_value",
-            )
+            raise _over("size", width * height, f"{width}x{height} = {width * height} pixels",
+                        limits.max_pixels, "--max-pixels", size_given)
         m = limits.size_multiple
         if width % m or height % m:
             raise APIError(
                 400,
-                f"Invalid value for 'size': width and height must be multiples of {m}, "
-                f"got {width}x{height}.",
+                f"Invalid value for 'size': width and height must be multiples of {m} for this "
+                f"model (its VAE scale factor times its patch size), got {width}x{height}.",
                 param="size",
                 code="invalid_value",
             )
-    steps = req.num_inference_steps
+    steps = values.get("num_inference_steps")
     if steps is not None and steps > limits.max_steps:
-        raise APIError(
-            400,
-            f"Invalid value for 'num_inference_steps': {steps} is over this server's limit of "
-            f"{limits.max_steps} (--max-steps).",
-            param="num_inference_steps",
-            code="invalid_value",
-        )
-    frames = getattr(req, "num_frames", None)
+        raise _over("num_inference_steps", steps, str(steps), limits.max_steps, "--max-steps",
+                    "num_inference_steps" in given)
+    frames = values.get("num_frames")
     if frames is not None:
+        field = "seconds" if "seconds" in given else "num_frames"
+        text = (f"{frames} frames" if field == "seconds" else str(frames))
         if frames > limits.max_frames:
-            raise APIError(
-                400,
-                f"Invalid value for 'num_frames': {frames} is over this server's limit of "
-                f"{limits.max_frames} (--max-frames).",
-                param="num_frames",
-                code="invalid_value",
-            )
+            raise _over(field, frames, text, limits.max_frames, "--max-frames",
+                        field in given)
         if limits.frame_step and (frames - 1) % limits.frame_step:
             raise APIError(
                 400,
-                f"Invalid value for 'num_frames': this pipeline needs num_frames - 1 to be a "
+                f"Invalid value for 'num_frames': this model needs num_frames - 1 to be a "
                 f"multiple of {limits.frame_step} (e.g. {limits.frame_step + 1}, "
                 f"{2 * limits.frame_step + 1}), got {frames}.",
                 param="num_frames",

@@ -27,9 +27,16 @@ from .jobs import (
 from .metrics import ServerMetrics
 from .schemas import Limits
 
-__all__ = ["DEFAULT_FPS", "JobSpec", "ServerSettings", "ServerState", "random_seed"]
+__all__ = [
+    "DEFAULT_FPS", "JobSpec", "ServerSettings", "ServerState", "check_api_key",
+    "normalize_host", "normalize_origin", "random_seed",
+]
 
 logger = logging.getLogger("diffusion_offload.server")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited; nothing is sent back."""
 
 _MAX_SEED = 2**31 - 1
 DEFAULT_FPS = 16
@@ -54,8 +61,14 @@ class ServerSettings:
         max_steps: most denoising steps per request.
         max_body_bytes: largest request body; more answer 413.
         shutdown_grace: seconds the running job gets on shutdown before it is marked failed.
-        size_multiple: width and height must be multiples of this (16 suits Flux, SD3,
-            Wan and Qwen-Image).
+        size_multiple: width and height must be multiples of this; None: the model's own
+            rule (VAE scale factor times patch size, read from its config files).
+        host: the address the server is bound to (for the ``Host`` check).
+        allowed_origins: browser origins (``scheme://host[:port]``) allowed besides the
+            server's own.
+        allowed_hosts: ``Host`` names accepted besides the bound address and ``localhost``.
+        job_ttl: seconds a finished video job is kept.
+        max_stored_jobs: most video jobs kept (oldest finished dropped first).
     """
 
     model_id: str
@@ -66,7 +79,12 @@ class ServerSettings:
     max_steps: int = 100
     max_body_bytes: int = 1_048_576
     shutdown_grace: float = 30.0
-    size_multiple: int = 16
+    size_multiple: int | None = None
+    host: str = "127.0.0.1"
+    allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    job_ttl: float = 3600.0
+    max_stored_jobs: int = 100
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -76,16 +94,23 @@ class ServerSettings:
             ("max_steps", 1),
             ("max_body_bytes", 1),
             ("size_multiple", 1),
+            ("max_stored_jobs", 1),
         ):
             value = getattr(self, name)
+            if value is None and name == "size_multiple":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value!r}"
                 )
-        if not isinstance(self.shutdown_grace, (int, float)) or not self.shutdown_grace >= 0:
-            raise ValueError(f"--shutdown-grace must be a number >= 0, got {self.shutdown_grace!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("--api-key must not be empty")
+        for name in ("shutdown_grace", "job_ttl"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0, got {value!r}")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+        self.allowed_origins = tuple(normalize_origin(o) for o in self.allowed_origins)
+        self.allowed_hosts = tuple(normalize_host(h, "--allowed-hosts") for h in self.allowed_hosts)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
@@ -94,11 +119,67 @@ class ServerSettings:
         Raises:
             ValueError: a limit out of range.
         """
-        names = {f.name for f in fields(cls)} - {"model_id"}
+        names = {f.name for f in fields(cls)} - {"model_id", "allowed_origins", "allowed_hosts"}
         values = {
             name: getattr(args, name) for name in names if getattr(args, name, None) is not None
         }
+        for name in ("allowed_origins", "allowed_hosts"):
+            text = getattr(args, name, None) or ""
+            values[name] = tuple(p.strip() for p in text.split(",") if p.strip())
         return cls(model_id=str(args.model), **values)
+
+
+def check_api_key(key: str) -> None:
+    """An API key must be printable ASCII without spaces (what every HTTP client sends
+    byte for byte in ``Authorization: Bearer KEY``).
+
+    Raises:
+        ValueError: empty, or a character outside ``!`` .. ``~`` (named with its position).
+    """
+    if not key:
+        raise ValueError("--api-key must not be empty")
+    for i, ch in enumerate(key):
+        if not "!" <= ch <= "~":
+            raise ValueError(
+                f"--api-key: character {i + 1} ({ch!r}) cannot be sent in an HTTP header, so the "
+                "key could never match; use printable ASCII without spaces (e.g. from "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            )
+
+
+def normalize_host(host: str, flag: str = "--host") -> str:
+    """A host name as compared with the ``Host`` header: lower case, no port, IPv6
+    without brackets.
+
+    Raises:
+        ValueError: empty or containing ``/`` or spaces.
+    """
+    text = host.strip().lower()
+    if text.startswith("[") and "]" in text:
+        text = text[1 : text.index("]")]
+    elif text.count(":") == 1:
+        text = text.split(":", 1)[0]
+    if not text or any(c in text for c in "/ \t@"):
+        raise ValueError(f"{flag}: {host!r} is not a host name (e.g. myhost.lan or 10.0.0.5)")
+    return text
+
+
+def normalize_origin(origin: str) -> str:
+    """``scheme://host[:port]`` in lower case, without a trailing slash.
+
+    Raises:
+        ValueError: not an http(s) origin (named with the flag ``--allowed-origins``).
+    """
+    from urllib.parse import urlsplit
+
+    text = origin.strip().rstrip("/").lower()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+        raise ValueError(
+            f"--allowed-origins: {origin!r} is not an origin; write scheme://host[:port], "
+            "e.g. http://localhost:3000"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 @dataclass
@@ -117,6 +198,30 @@ def _error_code(exc: BaseException) -> str:
     if isinstance(exc, (ValueError, TypeError)):
         return "invalid_request"
     return "generation_failed"
+
+
+def describe_request(job: Job) -> str:
+    """The request of ``job`` in the user's terms: ``"a 32x32 video of 5 frames, 2 steps"``."""
+    spec: JobSpec = job.payload
+    params = spec.params
+    size = f"{params.width}x{params.height}" if params.width and params.height else "default-size"
+    what = f"a {size} video of {params.num_frames} frames" if job.kind == "video" else f"a {size} image"
+    steps = params.num_inference_steps
+    return what + (f", {steps} step{'s' if steps != 1 else ''}" if steps else "")
+
+
+def job_error_message(job: Job, exc: BaseException) -> str:
+    """A failed job's error for the client: what failed, in the request's terms; the
+    exception itself goes only to the server log."""
+    what = describe_request(job)
+    code = _error_code(exc)
+    if code == "out_of_memory":
+        return (f"The device ran out of memory generating {what}; try a smaller size, fewer "
+                "frames, or a config that offloads more components.")
+    if code == "invalid_request":
+        return (f"The model could not generate {what}: it does not accept these values; try "
+                "the defaults (omit size, num_frames and num_inference_steps).")
+    return f"The model failed while generating {what}; the server log has the details (job {job.id})."
 
 
 class ServerState:
@@ -139,15 +244,23 @@ class ServerState:
         else:
             raise TypeError(f"create_app needs an engine or a factory of one, got {engine!r}")
         self.engine: Any = None
+        self.rules: Any = None  # engine.requests.ModelRules once loaded (None for test doubles)
         self.limits = Limits(
-            settings.max_pixels, settings.max_frames, settings.max_steps, settings.size_multiple
+            settings.max_pixels, settings.max_frames, settings.max_steps, settings.size_multiple or 16
         )
         self.load_error: BaseException | None = None
         self.loaded_at: int = int(time.time())
         self.shutting_down = False
         self.request_shutdown: Callable[[], None] | None = None
         self.progress = ProgressTracker()
-        self.jobs = JobManager(self._run_job, settings.max_queue, error_code=_error_code)
+        self.jobs = JobManager(
+            self._run_job,
+            settings.max_queue,
+            error_code=_error_code,
+            error_message=job_error_message,
+            job_ttl=settings.job_ttl,
+            max_stored=settings.max_stored_jobs,
+        )
         self.metrics = ServerMetrics(
             engine=lambda: self.engine,
             queue_depth=lambda: self.jobs.queue_depth,
@@ -161,12 +274,18 @@ class ServerState:
     # ------------------------------------------------------------------ lifecycle
 
     def _publish(self, engine: Any) -> None:
+        info = getattr(engine, "info", None)
+        if info is not None and hasattr(info, "pipeline_class"):
+            from ..engine.requests import model_rules
+
+            self.rules = model_rules(info)
+        rules = self.rules
         self.limits = Limits(
             self.settings.max_pixels,
             self.settings.max_frames,
             self.settings.max_steps,
-            self.settings.size_multiple,
-            frame_step(engine),
+            self.settings.size_multiple or (rules.size_multiple if rules is not None else 16),
+            rules.frame_step if rules is not None else frame_step(engine),
             call_params(engine),
         )
         self.progress.install(engine)
@@ -230,10 +349,20 @@ class ServerState:
         if self.engine is None:
             if self.load_error is not None:
                 raise APIError(
-                    503, f"The model failed to load: {self.load_error}", code="model_load_failed"
+                    503, "The model failed to load; the server log has the details.",
+                    code="model_load_failed",
                 )
             raise APIError(503, "The model is still loading; retry shortly.", code="model_loading")
         return self.engine
+
+    @property
+    def health(self) -> str:
+        """``"ok"``, ``"loading"`` or ``"failed"`` (shutting down counts as loading: 503)."""
+        if self.load_error is not None:
+            return "failed"
+        if self.engine is None or self.shutting_down:
+            return "loading" if not self.shutting_down else "shutting_down"
+        return "ok"
 
     def submit(self, job: Job) -> None:
         """Queue ``job``.
@@ -250,8 +379,11 @@ class ServerState:
         except ShuttingDown:
             raise APIError(503, "The server is shutting down.", code="shutting_down") from None
 
-    async def run_and_wait(self, job: Job) -> Any:
+    async def run_and_wait(self, job: Job, disconnected: Callable[[], Any] | None = None) -> Any:
         """Queue ``job``, wait for it without blocking the event loop, return its result.
+
+        ``disconnected`` is an async function that returns once the client has gone; the
+        job is then cancelled if it has not started and :class:`ClientGone` is raised.
 
         Raises:
             APIError: 429/503 from :meth:`submit`; the job's failure (400 for invalid
@@ -265,18 +397,29 @@ class ServerState:
 
         job.add_done_callback(wake)
         self.submit(job)
+        gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         try:
-            await done
+            if gone is None:
+                await done
+            else:
+                await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not done.done():  # the client went away: drop its work if still queued
+                    if self.jobs.cancel(job, "the client disconnected before the job started"):
+                        logger.info("job %s cancelled: its client disconnected", job.id)
+                    raise ClientGone(job.id)
         except asyncio.CancelledError:
             self.jobs.cancel(job)
             raise
+        finally:
+            if gone is not None and not gone.done():
+                gone.cancel()
         if job.status == COMPLETED:
             return job.result
         error = job.error or {"code": "generation_failed", "message": "the job failed"}
         status = {"invalid_request": 400, "server_shutdown": 503, "cancelled": 503}.get(
             error["code"], 500
         )
-        raise APIError(status, f"Generation failed: {error['message']}", code=error["code"])
+        raise APIError(status, error["message"], code=error["code"])
 
     def _run_job(self, job: Job) -> Any:
         from ..engine.media import encode_png, encode_video
@@ -308,6 +451,7 @@ class ServerState:
         params = spec.params
         fps = spec.fps or DEFAULT_FPS
         status = status or job.status
+        seconds = None if params.num_frames is None else f"{params.num_frames / fps:g}"
         return {
             "id": job.id,
             "object": "video",
@@ -318,10 +462,10 @@ class ServerState:
             "completed_at": int(job.completed_at)
             if job.completed_at and status != QUEUED
             else None,
-            "size": spec.size,
+            "size": spec.size or (f"{params.width}x{params.height}" if params.width and params.height else None),
             "num_frames": params.num_frames,
             "fps": fps,
-            "seconds": None if params.num_frames is None else f"{params.num_frames / fps:g}",
+            "seconds": seconds,
             "seed": params.seed,
             "error": job.error if status == "failed" else None,
         }
