@@ -203,11 +203,11 @@ def test_rollback_when_nth_hook_install_fails(fake_device, monkeypatch, fail_at)
     real = hooks_mod.attach_hook
     calls = {"n": 0}
 
-    def flaky(module, hook):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == fail_at:
             raise RuntimeError("injected install failure")
-        return real(module, hook)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr("diffusion_offload.backend.attach_hook", flaky)
     backend = ModelLevelOffloadBackend(FULL, fake_device)
@@ -399,7 +399,7 @@ def test_dtensor_moves_shard_locally_and_is_not_pinned(fake_device):
     from torch.distributed.tensor import DTensor, Shard
 
     from diffusion_offload.platform import platform_for
-    from diffusion_offload.transfer import Mover, TensorSlot
+    from diffusion_offload.transfer import Mover, Transaction
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
@@ -407,13 +407,13 @@ def test_dtensor_moves_shard_locally_and_is_not_pinned(fake_device):
         local = torch.arange(16, dtype=torch.float32).reshape(4, 4)
         p = nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
         mover = Mover(platform_for(fake_device), pin_memory=True)
-        slot = TensorSlot(p, evictable=True)
+        [slot] = mover.group([p], Transaction(), evictable=True)
         assert slot.nbytes == 64
-        mover.adopt(slot)
         assert not p._local_tensor.is_pinned() and not slot.pinned
-        assert mover.load(slot) == 64
+        assert mover.load(slot, Transaction()) == 64
+        mover.record(slot.members)
         assert isinstance(p, DTensor) and p._local_tensor.device == fake_device
-        assert mover.evict(slot) == 0  # unmodified: no write-back
+        assert mover.evict([slot], Transaction()) == 0  # unmodified: no write-back
         assert p._local_tensor.device.type == "cpu" and torch.equal(p._local_tensor, local)
     finally:
         dist.destroy_process_group()

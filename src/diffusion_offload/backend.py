@@ -1,25 +1,32 @@
 """``ModelLevelOffloadBackend``: model-level (sequential) offload of a pipeline.
 
 Only the executing component group sits on the device: DiTs and text encoders take
-turns, VAEs stay resident, host copies are pinned (SPEC section 4). ``enable`` is
-transactional: it validates everything first, and if any move or hook install fails it
-removes the hooks it installed and puts every tensor back where it was.
+turns, VAEs stay resident, host copies are pinned (SPEC section 4). ``enable`` is one
+transaction: it validates everything first (selection, shared modules, meta tensors,
+host memory), and if any move or hook install fails, for any exception, it removes the
+hooks it installed and puts every tensor back where it was. ``audit`` lists every breach
+of the residency invariant.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from . import hostmem
 from .config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from .discovery import Component, discover_components
-from .hooks import HookHandle, SequentialOffloadHook, attach_hook
-from .platform import Platform, platform_for
+from .hooks import HookHandle, SequentialOffloadHook, attach_hook, get_handle
+from .platform import Platform, platform_for, same_device
+from .residency import ComponentWeights, WeightTable, named_tensors
 from .split import SupportsModelCpuOffload
-from .transfer import ComponentWeights, Mover, TensorSlot, TransferStats, collect_tensors
+from .transfer import Mover, Transaction, TransferStats, payload_of
 
 __all__ = ["ModelLevelOffloadBackend"]
 
@@ -39,10 +46,15 @@ class ModelLevelOffloadBackend:
             offload is a documented no-op: ``enable`` installs nothing.
         component_roles: role overrides for discovery (name -> role).
         use_hsdp: passed to split models (``SupportsModelCpuOffload``).
+        max_pinned_bytes: pin at most this many bytes of host copies; the rest stay in
+            pageable memory (``stats.pinned_bytes`` / ``stats.pageable_host_bytes`` say
+            which). None: no cap.
+
+    A backend is a context manager: ``with ModelLevelOffloadBackend(...) as b:
+    b.enable(pipe)`` disables on exit.
 
     Raises:
-        TypeError, ValueError: an invalid config (see ``parse_diffusion_offload_config``)
-            or device.
+        TypeError, ValueError: an invalid config, device or ``max_pinned_bytes``.
         NotImplementedError: ``mode="layer"`` (not implemented yet).
     """
 
@@ -53,6 +65,7 @@ class ModelLevelOffloadBackend:
         *,
         component_roles: Mapping[str, str] | None = None,
         use_hsdp: bool = False,
+        max_pinned_bytes: int | None = None,
     ) -> None:
         parsed = parse_diffusion_offload_config(config)
         if parsed is None:
@@ -62,78 +75,89 @@ class ModelLevelOffloadBackend:
                 f"mode={parsed.mode!r} has no backend yet; ModelLevelOffloadBackend "
                 "implements mode='module'"
             )
+        if max_pinned_bytes is not None and (
+            isinstance(max_pinned_bytes, bool) or not isinstance(max_pinned_bytes, int)
+        ):
+            raise TypeError(
+                f"max_pinned_bytes must be an int number of bytes or None, got {max_pinned_bytes!r}"
+            )
+        if max_pinned_bytes is not None and max_pinned_bytes < 0:
+            raise ValueError(f"max_pinned_bytes must be >= 0 bytes, got {max_pinned_bytes}")
         self.config = parsed
         self.platform: Platform = platform_for(device)
         self.device = self.platform.device
         self.component_roles = dict(component_roles) if component_roles else None
         self.use_hsdp = use_hsdp
-        self.mover = Mover(self.platform, parsed.pin_memory)
+        self.max_pinned_bytes = max_pinned_bytes
+        self.mover = Mover(self.platform, parsed.pin_memory, max_pinned_bytes)
         self.components: dict[str, ComponentWeights] = {}
         self.modules: dict[str, torch.nn.Module] = {}
+        self.lock = threading.RLock()
         self._handles: list[HookHandle] = []
         self._delegate: SupportsModelCpuOffload | None = None
+        self._pipeline_ref: Any = None
         self._enabled = False
 
     # ------------------------------------------------------------------ public API
 
     @property
     def stats(self) -> TransferStats:
-        """The engine's counters of weight moves (bytes, loads, evictions, seconds)."""
+        """The engine's counters of weight moves (bytes, loads, evictions, seconds) and
+        its host memory (``pinned_bytes``, ``pageable_host_bytes``)."""
         return self.mover.stats
 
     def is_enabled(self) -> bool:
         """Whether ``enable`` has completed and ``disable`` has not."""
         return self._enabled
 
+    def __enter__(self) -> "ModelLevelOffloadBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disable()
+
     def enable(self, pipeline: Any) -> None:
-        """Install model-level offload on ``pipeline`` (idempotent).
+        """Install model-level offload on ``pipeline`` (idempotent for the same pipeline).
 
         Afterwards the selected DiTs are on the host and everything else on the device;
         each DiT, encoder and VAE module carries one ``SequentialOffloadHook``.
 
         Raises:
             ValueError: the selection cannot be honoured (no DiT, no encoder stage, or
-                ``text_encoder`` selected but none found); nothing was changed.
+                ``text_encoder`` selected but none found); a component holds a meta
+                tensor or a tensor on another device; this backend is already enabled on
+                another pipeline. Nothing was changed.
+            RuntimeError: a component module is already managed by another backend;
+                nothing was changed.
+            MemoryError: the host cannot hold the host copies (bytes needed and
+                available named); nothing was changed.
             TypeError: the pipeline's components cannot be discovered.
             torch.OutOfMemoryError: the device cannot hold what must be resident; every
                 hook and tensor was rolled back.
         """
-        if self._enabled:
-            return
-        if isinstance(pipeline, SupportsModelCpuOffload):
-            self._enable_delegated(pipeline)
-            return
-        components = discover_components(pipeline, self.component_roles)
-        self._check_selection(components)
-        if self.platform.is_noop:
-            logger.info("device is cpu: model-level offload is a no-op (nothing to offload to)")
-            self._enabled = True
-            return
-        weights = self._build(components)
-        undo: list[tuple[TensorSlot, torch.Tensor]] = []
-        handles: list[HookHandle] = []
-        try:
-            self._establish(weights, undo)
-            for comp in components:
-                if comp.role not in _STAGE_ROLES:
-                    continue
-                hook = SequentialOffloadHook(
-                    weights[comp.name],
-                    self._exclusion(comp, weights),
-                    self._companions(comp, weights),
+        with self.lock:
+            if self._enabled:
+                if self._is_current(pipeline):
+                    return
+                raise ValueError(
+                    f"this backend is already enabled on another pipeline "
+                    f"({type(self._pipeline()).__name__}); call disable() first, or use one "
+                    "backend per pipeline"
                 )
-                handles.append(attach_hook(comp.module, hook))
-        except BaseException:
-            for handle in reversed(handles):
-                handle.remove()
-            with torch.inference_mode(False), torch.no_grad():
-                for slot, old in reversed(undo):
-                    torch.utils.swap_tensors(slot.tensor, old)
-            raise
-        self.components = weights
-        self.modules = {c.name: c.module for c in components}
-        self._handles = handles
-        self._enabled = True
+            if isinstance(pipeline, SupportsModelCpuOffload):
+                self._enable_delegated(pipeline)
+                self._remember(pipeline)
+                return
+            components = discover_components(pipeline, self.component_roles)
+            self._check_selection(components)
+            if self.platform.is_noop:
+                logger.info("device is cpu: model-level offload is a no-op (nothing to offload to)")
+                self._enabled = True
+                self._remember(pipeline)
+                return
+            self._check_unmanaged(components)
+            self._enable(components)
+            self._remember(pipeline)
 
     def disable(self) -> None:
         """Remove every hook this backend installed; tensors stay where they are.
@@ -142,19 +166,195 @@ class ModelLevelOffloadBackend:
             Exception: whatever a hook removal raised; the backend then stays enabled
                 and calling ``disable`` again removes the remaining hooks.
         """
-        if not self._enabled:
-            return
-        if self._delegate is not None:
-            self._delegate.disable_omni_model_cpu_offload()
-            self._delegate = None
-        while self._handles:
-            self._handles[-1].remove()
-            self._handles.pop()
-        self.components = {}
-        self.modules = {}
-        self._enabled = False
+        with self.lock:
+            if not self._enabled:
+                return
+            if self._delegate is not None:
+                self._delegate.disable_omni_model_cpu_offload()
+                self._delegate = None
+            while self._handles:
+                self._handles[-1].remove()
+                self._handles.pop()
+            self.components = {}
+            self.modules = {}
+            self._pipeline_ref = None
+            self._enabled = False
+
+    def audit(self) -> list[str]:
+        """Every breach of the residency invariant; ``[]`` when all holds.
+
+        Checked: each tensor of a selected component is on the side its ``resident``
+        flag says (device when resident, host when evicted) and each tensor of an
+        unselected component, or shared with one, is on the device; a tensor that sits
+        in a component's modules but is not managed (and no pending structural change
+        explains it) is reported; and no two groups (a selected DiT, the selected
+        encoders) are resident at once. O(tensors); meant for tests and debugging.
+        """
+        with self.lock:
+            if not self._enabled or not self.components:
+                return []
+            out: list[str] = []
+            device = self.device
+            table = next(iter(self.components.values())).table
+            for comp in self.components.values():
+                module = comp.module_ref()
+                if module is None:
+                    continue
+                pending = comp.generation != comp.synced
+                for tname, t in named_tensors(module):
+                    slot = table.slot_of(t)
+                    on_dev = same_device(payload_of(t).device, device)
+                    if slot is None or comp.name not in slot.owners:
+                        if not pending:
+                            out.append(
+                                f"{comp.name}: tensor {tname!r} is not managed by the backend "
+                                f"(on {payload_of(t).device})"
+                            )
+                        continue
+                    want_dev = (not slot.evictable) or comp.resident
+                    if on_dev != want_dev:
+                        out.append(
+                            f"{comp.name}: tensor {tname!r} is on {payload_of(t).device} but "
+                            f"should be on {'the device' if want_dev else 'the host'} "
+                            f"(resident={comp.resident}, evictable={slot.evictable})"
+                        )
+            groups: dict[str, list[str]] = {}
+            for comp in self.components.values():
+                if comp.selected and comp.resident and comp.role != "vae":
+                    key = "encoders" if comp.role in _ENCODER_ROLES else comp.name
+                    groups.setdefault(key, []).append(comp.name)
+            if len(groups) > 1:
+                out.append(f"more than one group is resident: {sorted(groups.values())}")
+            return out
 
     # ------------------------------------------------------------------ internals
+
+    def _remember(self, pipeline: Any) -> None:
+        try:
+            self._pipeline_ref = weakref.ref(pipeline)
+        except TypeError:  # not weak-referenceable: compare by identity
+            self._pipeline_ref = lambda p=pipeline: p
+
+    def _pipeline(self) -> Any:
+        return self._pipeline_ref() if self._pipeline_ref is not None else None
+
+    def _is_current(self, pipeline: Any) -> bool:
+        return self._pipeline() is pipeline
+
+    def _check_unmanaged(self, components: list[Component]) -> None:
+        for comp in components:
+            for sub in comp.module.modules():
+                if get_handle(sub) is not None:
+                    raise RuntimeError(
+                        f"component {comp.name!r} ({type(comp.module).__name__}) already has an "
+                        "offload hook of another backend (one offload hook per module); "
+                        "disable that backend first"
+                    )
+
+    def _check_host_memory(self, named: dict[str, list[tuple[str, torch.Tensor]]], selected: dict[str, bool]) -> None:
+        """Refuse before anything moves when the host cannot hold the new host copies."""
+        needed = 0
+        pinnable = 0
+        seen: set[int] = set()
+        for name, tensors in named.items():
+            if not selected[name]:
+                continue
+            for _, t in tensors:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                p = payload_of(t)
+                n = p.numel() * p.element_size()
+                pinnable += n
+                if p.device.type != "cpu":
+                    needed += n
+        available = hostmem.available_host_bytes()
+        if needed and available is not None and needed > available:
+            raise MemoryError(
+                f"enable() needs {needed} bytes of host memory for host copies of the "
+                f"selected components' weights now on {self.device}, but only {available} "
+                "bytes are available; free host memory, or select fewer components"
+            )
+        limit = hostmem.locked_memory_limit()
+        cap = self.max_pinned_bytes
+        want = pinnable if cap is None else min(pinnable, cap)
+        if self.mover.pin and limit is not None and want > limit:
+            warnings.warn(
+                f"pinning up to {want} bytes of host copies, above this process's locked-memory "
+                f"limit (RLIMIT_MEMLOCK, {limit} bytes); where the driver enforces it, the rest "
+                "falls back to pageable memory. Raise it with `ulimit -l` or set max_pinned_bytes",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _enable(self, components: list[Component]) -> None:
+        selected = {c.name: self.config.offloads_role(c.role) for c in components}
+        named = {c.name: named_tensors(c.module) for c in components}
+        table = WeightTable(self.mover)
+        for comp in components:
+            table.add(comp.name, comp.role, selected[comp.name], comp.module)
+        table.check_tensors(named)
+        self._check_host_memory(named, selected)
+        weights = table.components
+        txn = Transaction()
+        handles: list[HookHandle] = []
+        try:
+            table.adopt(named, txn)
+            for w in weights.values():
+                w._register_modules()
+            self._establish(weights, txn)
+            for comp in components:
+                hook = None
+                if comp.role in _STAGE_ROLES:
+                    hook = SequentialOffloadHook(
+                        weights[comp.name],
+                        self._exclusion(comp, weights),
+                        self._companions(comp, weights),
+                        self.lock,
+                    )
+                handles.append(
+                    attach_hook(comp.module, hook, comp.name, child_hooks=selected[comp.name])
+                )
+        except BaseException:
+            for handle in reversed(handles):
+                handle.remove()
+            txn.rollback()
+            raise
+        txn.commit()
+        self.components = weights
+        self.modules = {c.name: c.module for c in components}
+        self._handles = handles
+        self._enabled = True
+
+    def _establish(self, weights: dict[str, ComponentWeights], txn: Transaction) -> None:
+        """Selected DiTs on the host, everything else on the device (evict before load).
+
+        Each eviction and load commits at once, so an evicted DiT's device copy is freed
+        before anything is loaded; if a later step fails, the enable transaction puts
+        every evictable tensor back on the side it was on.
+        """
+        device = self.device
+        unique = {id(s): s for w in weights.values() for s in w.slots if s.evictable}
+        original = [(slot, slot.on_device(device)) for slot in unique.values()]
+        txn.on_rollback(lambda: self._restore(original))
+        for w in weights.values():
+            if w.selected and w.role == "dit":
+                w.resident = True
+                w.evict()
+        for w in weights.values():
+            if not (w.selected and w.role == "dit"):
+                w.load()
+        self.platform.synchronize()
+
+    def _restore(self, original: list[tuple[Any, bool]]) -> None:
+        """Put evictable slots back on the side they were on (a rolled-back ``enable``)."""
+        mover = self.mover
+        for slot, was_on_device in original:
+            now = slot.on_device(self.device)
+            if was_on_device and not now:
+                mover.load(slot, Transaction())
+            elif now and not was_on_device:
+                mover.evict([slot], Transaction())
 
     def _enable_delegated(self, pipeline: SupportsModelCpuOffload) -> None:
         kwargs: dict[str, Any] = {
@@ -189,55 +389,6 @@ class ModelLevelOffloadBackend:
                 "model-level offload needs an encoder stage for mutual exclusion with the "
                 f"DiTs, but the pipeline declares none; discovered: {names}"
             )
-
-    def _build(self, components: list[Component]) -> dict[str, ComponentWeights]:
-        selected = {c.name: self.config.offloads_role(c.role) for c in components}
-        owners: dict[int, list[str]] = {}
-        tensors: dict[int, torch.Tensor] = {}
-        per_comp: dict[str, list[torch.Tensor]] = {}
-        for comp in components:
-            per_comp[comp.name] = collect_tensors(comp.module)
-            for t in per_comp[comp.name]:
-                owners.setdefault(id(t), []).append(comp.name)
-                tensors[id(t)] = t
-        slots = {
-            key: TensorSlot(t, evictable=all(selected[n] for n in owners[key]))
-            for key, t in tensors.items()
-        }
-        return {
-            comp.name: ComponentWeights(
-                comp.name,
-                comp.role,
-                selected[comp.name],
-                [slots[id(t)] for t in per_comp[comp.name]],
-                self.mover,
-            )
-            for comp in components
-        }
-
-    def _establish(
-        self, weights: dict[str, ComponentWeights], undo: list[tuple[TensorSlot, torch.Tensor]]
-    ) -> None:
-        """Selected DiTs on the host, everything else on the device (evict before load)."""
-        mover = self.mover
-        unique = {id(s): s for w in weights.values() for s in w.slots}
-        for slot in unique.values():
-            if slot.evictable:
-                mover.adopt(slot, undo)
-        for w in weights.values():
-            if w.selected and w.role == "dit":
-                for slot in w.slots:
-                    mover.evict(slot, undo)
-                w.resident = False
-        for slot in unique.values():
-            if not slot.evictable:
-                mover.place(slot, undo)
-        for w in weights.values():
-            if w.selected and w.role != "dit":
-                for slot in w.slots:
-                    mover.load(slot, undo)
-                w.resident = True
-        self.platform.synchronize()
 
     def _exclusion(
         self, comp: Component, weights: dict[str, ComponentWeights]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -81,6 +81,42 @@ class DiffusionOffloadConfig:
     pin_memory: bool = True
     explicit: bool = True
 
+    def __post_init__(self) -> None:
+        """Validate the fields of a config built by hand (the same rules as parsing).
+
+        Raises:
+            TypeError: a field of the wrong type.
+            ValueError: a field with a bad value (see ``parse_diffusion_offload_config``).
+        """
+        if not isinstance(self.mode, str):
+            raise TypeError(
+                f"mode must be a str from {list(MODES)}, got {self.mode!r} ({_type_name(self.mode)})"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not allowed; allowed values: {list(MODES)}")
+        if _parse_components(self.components) != self.components:
+            raise TypeError(
+                f"components must be a tuple of str from {list(COMPONENTS)}, got "
+                f"{self.components!r} ({_type_name(self.components)})"
+            )
+        if not isinstance(self.layer_options, tuple) or not all(
+            isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[1], LayerOptions)
+            for kv in self.layer_options
+        ):
+            raise TypeError(
+                "layer_options must be a tuple of (component, LayerOptions) pairs, got "
+                f"{self.layer_options!r}"
+            )
+        _parse_layer_options(
+            {k: v.to_dict() for k, v in self.layer_options}, self.mode, self.components
+        )
+        for name in ("pin_memory", "explicit"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"{name} must be a bool (True or False), got {value!r} ({_type_name(value)})"
+                )
+
     def selects(self, component: str) -> bool:
         """Whether ``component`` (``"dit"`` or ``"text_encoder"``) is selected."""
         return component in self.components
@@ -100,9 +136,11 @@ class DiffusionOffloadConfig:
         """A JSON-ready dict that ``from_json(json.dumps(...))`` maps back to an equal config.
 
         For an explicit config ``parse_diffusion_offload_config`` accepts it too; the legacy
-        config (``explicit=False``) adds ``"enable_cpu_offload": true``, which only
+        config (``explicit=False``) is ``{"enable_cpu_offload": true}``, which only
         ``from_json`` understands.
         """
+        if not self.explicit:
+            return {"enable_cpu_offload": True}
         out: dict[str, Any] = {
             "mode": self.mode,
             "components": list(self.components),
@@ -110,8 +148,6 @@ class DiffusionOffloadConfig:
         }
         if self.layer_options:
             out["layer_options"] = {k: v.to_dict() for k, v in self.layer_options}
-        if not self.explicit:
-            out["enable_cpu_offload"] = True
         return out
 
     def to_json(self) -> str:
@@ -122,11 +158,20 @@ class DiffusionOffloadConfig:
     def from_json(cls, text: str) -> "DiffusionOffloadConfig":
         """Parse JSON text written by ``to_json`` (or by a user).
 
+        A document holding ``"enable_cpu_offload": b`` equals
+        ``parse_diffusion_offload_config(<the rest>, enable_cpu_offload=b)`` (an empty
+        rest stands for None): with an explicit module config the selection wins.
+
         Raises:
             ValueError: invalid JSON or an invalid config.
             TypeError: a field of the wrong type.
         """
         value = _loads(text)
+        if value is None:
+            raise ValueError(
+                "diffusion_offload_config JSON must be an object with keys "
+                f"{list(_TOP_KEYS)}, got null"
+            )
         legacy = False
         if isinstance(value, dict) and "enable_cpu_offload" in value:
             value = dict(value)
@@ -135,9 +180,14 @@ class DiffusionOffloadConfig:
                 raise TypeError(
                     f"enable_cpu_offload must be a bool (true or false), got {legacy!r}"
                 )
+            if not value:  # the legacy switch alone: offload every DiT and encoder
+                value = None
         config = parse_diffusion_offload_config(value, enable_cpu_offload=legacy)
-        if legacy and config is not None:
-            config = replace(config, explicit=False)
+        if config is None:
+            raise ValueError(
+                '{"enable_cpu_offload": false} alone selects no offload; give "mode" and '
+                '"components", or set enable_cpu_offload to true'
+            )
         return config
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "Component",
     "SupportsComponentDiscovery",
     "diffusers_role",
+    "is_text_encoder_path",
     "discover_components",
     "resolve_module",
 ]
@@ -42,8 +43,9 @@ class SupportsComponentDiscovery:
     """Mixin for pipelines that declare their components.
 
     Subclasses set the four ClassVars to lists of attribute names or dotted paths. DiT
-    and encoder lists are both needed for mutual exclusion; an encoder whose path
-    contains ``text`` counts as a ``text_encoder``.
+    and encoder lists are both needed for mutual exclusion; an encoder counts as a
+    ``text_encoder`` when ``is_text_encoder_path`` says so (the token ``text`` in the last
+    dotted segment split on ``_``).
     """
 
     _dit_modules: ClassVar[list[str]] = []
@@ -90,14 +92,22 @@ def resolve_module(root: Any, path: str) -> nn.Module:
     return obj
 
 
+def is_text_encoder_path(path: str) -> bool:
+    """Whether the encoder at ``path`` is a text encoder (SPEC section 6).
+
+    True when the last dotted segment, split on ``_``, has the token ``text``:
+    ``text_encoder_2``, ``encoders.text`` and ``my_text_encoder`` are text encoders;
+    ``context.vision_encoder`` and ``context_encoder`` are not.
+    """
+    return "text" in path.rsplit(".", 1)[-1].lower().split("_")
+
+
 def diffusers_role(name: str) -> str | None:
     """The role of a diffusers pipeline component named ``name``, or None if unknown."""
     if name in ("transformer", "unet") or name.startswith(("transformer_", "unet_")):
         return "dit"
-    if name.startswith("text_encoder"):
-        return "text_encoder"
     if "encoder" in name:
-        return "encoder"
+        return "text_encoder" if is_text_encoder_path(name) else "encoder"
     if name in ("vae", "audio_vae") or name.startswith("vae_"):
         return "vae"
     return None
@@ -136,7 +146,7 @@ def _declared(pipeline: SupportsComponentDiscovery) -> list[tuple[str, str]]:
     for path in cls._dit_modules:
         pairs.append((path, "dit"))
     for path in cls._encoder_modules:
-        pairs.append((path, "text_encoder" if "text" in path.lower() else "encoder"))
+        pairs.append((path, "text_encoder" if is_text_encoder_path(path) else "encoder"))
     for path in cls._vae_modules:
         pairs.append((path, "vae"))
     for path in cls._resident_modules:

@@ -1,4 +1,4 @@
-"""``SequentialOffloadHook``: the pre-forward hook of model-level offload.
+"""Hooks of model-level offload: ``SequentialOffloadHook`` and what guards a component.
 
 A hook wraps its module's ``forward`` as an instance attribute, so it fires for
 ``module(...)`` and for direct ``module.forward(...)`` calls, runs after torch forward
@@ -8,13 +8,28 @@ ours is still the outermost wrapper; when another wrapper sits on ours, ours bec
 inert pass-through instead (unwrapping it would drop the other library's wrapper).
 
 The hook only calls into ``ComponentWeights``: evict the exclusion set, load its own
-component, move tensor arguments to the device, synchronize if it moved anything. When
+group, move tensor arguments to the device, synchronize if it moved anything. When
 everything is in place it does no transfer, no synchronize and no walk over parameters.
+
+Beside the ``forward`` wrapper, a ``HookHandle`` installs:
+
+* a forward pre-hook on every submodule of a selected component, so a direct call into
+  a child (``pipe.text_encoder.encoder(...)``) loads the component first (O(1) when it
+  is resident);
+* a guard on the component's ``Module._apply`` (what ``module.to(...)``, ``.cuda()``,
+  ``.half()`` and diffusers' ``pipe.to(...)`` call): a move to the offload device keeps
+  the offload placement (nothing moves), a move elsewhere or a dtype change raises a
+  RuntimeError naming ``disable()`` before anything changes.
+
+Nothing installed on a module holds the module strongly: the wrappers reach it through
+a weak reference, so a deleted pipeline frees its memory without ``disable()``. The
+module keeps its handle (and so its hook) alive, so offload keeps working when the
+caller drops the backend object.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,7 +39,7 @@ import torch
 from torch import nn
 
 from .platform import same_device
-from .transfer import ComponentWeights
+from .residency import ComponentWeights
 
 __all__ = ["HookHandle", "SequentialOffloadHook", "attach_hook", "get_hook", "offload_component"]
 
@@ -40,6 +55,7 @@ class SequentialOffloadHook:
         companions: components of the same group loaded together with this one (the
             other selected encoders of an encoder: a pipeline's text encoders run back
             to back, so the encoder stage is one group).
+        lock: the backend's lock; activations from several threads are serialized.
 
     ``pre_forward`` evicts before it loads, so the device never holds two groups.
     """
@@ -49,29 +65,41 @@ class SequentialOffloadHook:
         component: ComponentWeights,
         exclusion: Sequence[ComponentWeights],
         companions: Sequence[ComponentWeights] = (),
+        lock: threading.RLock | None = None,
     ) -> None:
         self.component = component
         self.exclusion = tuple(c for c in exclusion if c is not component)
         self.group = (component, *(c for c in companions if c is not component))
+        self.lock = lock if lock is not None else threading.RLock()
         self.context_depth = 0  # open ``offload_component`` contexts of this module
         self.pre_forward = torch.compiler.disable(self.pre_forward)  # type: ignore[method-assign]
+        self.activate = torch.compiler.disable(self.activate)  # type: ignore[method-assign]
         self.device = component.mover.device
         self._platform = component.mover.platform
         self._non_blocking = component.mover.pin
 
-    def activate(self) -> bool:
-        """Evict the exclusion set, then load the component (which synchronizes).
+    @property
+    def ready(self) -> bool:
+        """Nothing to do before the module runs: its group is resident and unchanged and
+        no excluded component is resident (O(group + exclusion), no tensor walk)."""
+        return all(c.ready for c in self.group) and not any(c.resident for c in self.exclusion)
 
-        Returns True if any tensor moved. Parameterless components move nothing.
+    def activate(self) -> bool:
+        """Evict the exclusion set, then load the group (which synchronizes).
+
+        Returns True if any tensor moved. Parameterless components move nothing. Each
+        eviction and load is all-or-nothing; an interrupted activation leaves every
+        component either fully resident or fully on the host.
         """
-        moved = False
-        for other in self.exclusion:
-            if other.resident:
-                moved = other.evict() or moved
-        for member in self.group:
-            if not member.resident:
-                moved = member.load() or moved
-        return moved
+        with self.lock:
+            moved = False
+            for other in self.exclusion:
+                if other.resident:
+                    moved = bool(other.evict()) or moved
+            for member in self.group:
+                if not member.ready:
+                    moved = bool(member.load()) or moved
+            return moved
 
     def _to_device(self, value: Any, moved: list[bool]) -> Any:
         if isinstance(value, torch.Tensor):
@@ -86,10 +114,8 @@ class SequentialOffloadHook:
             return {k: self._to_device(v, moved) for k, v in value.items()}
         return value
 
-    def pre_forward(
-        self, module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
-        """Make the component resident and put tensor args/kwargs on the device.
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Make the group resident and put tensor args/kwargs on the device.
 
         Weight loads synchronize inside ``ComponentWeights.load``; moved inputs are
         synchronized here. Nothing moved: no synchronize. Compiler-disabled: the
@@ -97,7 +123,8 @@ class SequentialOffloadHook:
         ``__init__`` (there, not at import, so importing the package does not import
         ``torch._dynamo``).
         """
-        self.activate()
+        if not self.ready:
+            self.activate()
         moved = [False]
         if args:
             args = tuple(self._to_device(a, moved) for a in args)
@@ -112,64 +139,190 @@ class SequentialOffloadHook:
         return f"SequentialOffloadHook({self.component.name!r}, evicts={names})"
 
 
-class HookHandle:
-    """One installed hook: the module, our wrapper and what ``forward`` was before it."""
+def _probe_apply(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        return fn(torch.zeros(0, dtype=dtype, device=device))
 
-    def __init__(self, module: nn.Module, hook: SequentialOffloadHook) -> None:
+
+class HookHandle:
+    """Everything installed on one component module, and its removal.
+
+    Args:
+        module: the component's root module.
+        hook: its offload hook, or None for a component that only gets the ``_apply``
+            guard (resident components with no stage).
+        name: the component's name, for messages.
+        child_hooks: also hook every submodule (selected components), so calls below
+            the root load the component.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        hook: SequentialOffloadHook | None,
+        name: str,
+        child_hooks: bool,
+    ) -> None:
         self.module_ref = weakref.ref(module)
         self.hook = hook
+        self.name = name
         self.active = True
-        self.had_instance_forward = "forward" in module.__dict__
-        self.previous: Callable[..., Any] | None = module.__dict__.get("forward")
-        original = module.forward
+        self._saved: dict[str, Any] = {}
+        self._child_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooked_children: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._child_hooks = child_hooks
+        self.wrapper: Callable[..., Any] | None = None
+        self.apply_guard = self._make_apply_guard()
+        if hook is not None:
+            self.wrapper = self._make_forward(module, hook)
+
+    # -- forward ----------------------------------------------------------------------
+
+    def _make_forward(self, module: nn.Module, hook: SequentialOffloadHook) -> Callable[..., Any]:
+        module_ref = self.module_ref
+        previous = module.__dict__.get("forward")  # another library's wrapper, if any
+        handle = self  # the module keeps its handle alive; the handle holds it weakly
+
+        def offload_forward(*args: Any, **kwargs: Any) -> Any:
+            mod = module_ref()
+            if mod is None:
+                raise ReferenceError("the offloaded module was deleted")
+            if handle.active:
+                args, kwargs = hook.pre_forward(mod, args, kwargs)
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return type(mod).forward(mod, *args, **kwargs)
+
+        offload_forward.__wrapped__ = type(module).forward  # type: ignore[attr-defined]
+        offload_forward.__doc__ = type(module).forward.__doc__
+        return offload_forward
+
+    # -- children ---------------------------------------------------------------------
+
+    def hook_children(self) -> None:
+        """Give every submodule not yet hooked a pre-hook that loads the component."""
+        module = self.module_ref()
+        if module is None or self.hook is None or not self._child_hooks:
+            return
+        hook = self.hook
+
+        def load_component(mod: nn.Module, args: tuple) -> None:
+            if not hook.ready:
+                hook.activate()
+
+        for sub in module.modules():
+            if sub is module or sub in self._hooked_children:
+                continue
+            self._hooked_children.add(sub)
+            self._child_handles.append(sub.register_forward_pre_hook(load_component))
+
+    # -- .to() / _apply ---------------------------------------------------------------
+
+    def _make_apply_guard(self) -> Callable[..., nn.Module]:
+        module_ref = self.module_ref
         handle = self
 
-        @functools.wraps(original)
-        def offload_forward(*args: Any, **kwargs: Any) -> Any:
-            if handle.active:
-                args, kwargs = hook.pre_forward(module, args, kwargs)
-            return original(*args, **kwargs)
+        def offload_apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+            mod = module_ref()
+            if mod is None:
+                raise ReferenceError("the offloaded module was deleted")
+            if not handle.active or handle.hook is None:
+                return type(mod)._apply(mod, fn, recurse)
+            device = handle.hook.device
+            dtype = next(
+                (t.dtype for t in mod.parameters() if t.is_floating_point()), torch.float32
+            )
+            on_host = _probe_apply(fn, dtype, torch.device("cpu"))
+            on_device = _probe_apply(fn, dtype, device)
+            if on_host.dtype != dtype or on_device.dtype != dtype:
+                raise RuntimeError(
+                    f"component {handle.name!r} is managed by model-level offload: a dtype "
+                    f"change ({dtype} -> {on_host.dtype}) is not allowed while offload is "
+                    "enabled; call backend.disable() first, convert, then enable again"
+                )
+            if on_host.device.type == "cpu" and same_device(on_device.device, device):
+                return type(mod)._apply(mod, fn, recurse)  # keeps device and dtype
+            if same_device(on_host.device, device):
+                return mod  # a move to the offload device: offload places the weights
+            raise RuntimeError(
+                f"component {handle.name!r} is managed by model-level offload on {device}: "
+                f"moving it to {on_host.device} is not allowed while offload is enabled; "
+                "call backend.disable() first"
+            )
 
-        self.wrapper = offload_forward
+        return offload_apply
+
+    # -- install / remove -------------------------------------------------------------
+
+    def install(self) -> None:
+        """Put the wrappers on the module (forward, ``_apply``) and hook the children."""
+        module = self.module_ref()
+        assert module is not None
+        for attr, value in (("forward", self.wrapper), ("_apply", self.apply_guard)):
+            if value is None:
+                continue
+            self._saved[attr] = module.__dict__.get(attr)
+            module.__dict__[attr] = value
+        self.hook_children()
+        _REGISTRY[module] = weakref.ref(self)
 
     def remove(self) -> None:
-        """Uninstall: restore ``forward`` if ours is outermost, else become a pass-through."""
+        """Uninstall: restore each wrapper if ours is outermost, else become a pass-through."""
         module = self.module_ref()
         self.active = False
+        while self._child_handles:
+            self._child_handles.pop().remove()
         if module is None:
             return
-        if module.__dict__.get("forward") is self.wrapper:
-            if self.had_instance_forward:
-                module.forward = self.previous
-            else:
-                del module.__dict__["forward"]
-        if _REGISTRY.get(module) is self:
+        for attr, previous in self._saved.items():
+            ours = self.wrapper if attr == "forward" else self.apply_guard
+            if module.__dict__.get(attr) is ours:
+                if previous is not None:
+                    module.__dict__[attr] = previous
+                else:
+                    del module.__dict__[attr]
+        self._saved.clear()
+        ref = _REGISTRY.get(module)
+        if ref is not None and ref() is self:
             del _REGISTRY[module]
 
 
-_REGISTRY: "weakref.WeakKeyDictionary[nn.Module, HookHandle]" = weakref.WeakKeyDictionary()
+_REGISTRY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookHandle]]" = weakref.WeakKeyDictionary()
+
+
+def get_handle(module: nn.Module) -> HookHandle | None:
+    """The active handle installed on ``module``, or None."""
+    ref = _REGISTRY.get(module)
+    handle = ref() if ref is not None else None
+    return handle if handle is not None and handle.active else None
 
 
 def get_hook(module: nn.Module) -> SequentialOffloadHook | None:
     """The active offload hook of ``module``, or None."""
-    handle = _REGISTRY.get(module)
-    return handle.hook if handle is not None and handle.active else None
+    handle = get_handle(module)
+    return handle.hook if handle is not None else None
 
 
-def attach_hook(module: nn.Module, hook: SequentialOffloadHook) -> HookHandle:
-    """Install ``hook`` on ``module`` and return its handle.
+def attach_hook(
+    module: nn.Module,
+    hook: SequentialOffloadHook | None,
+    name: str = "",
+    child_hooks: bool = False,
+) -> HookHandle:
+    """Install ``hook`` (and the ``_apply`` guard) on ``module`` and return its handle.
+
+    The caller keeps the handle alive (the module's registry entry is weak).
 
     Raises:
-        RuntimeError: ``module`` already has an offload hook (one per module, ever).
+        RuntimeError: ``module`` already has an offload handle (one per module, ever).
     """
-    if get_hook(module) is not None:
+    if get_handle(module) is not None:
         raise RuntimeError(
             f"{type(module).__name__} already has an offload hook; disable the backend that "
             "installed it first (one offload hook per module)"
         )
-    handle = HookHandle(module, hook)
-    module.forward = handle.wrapper
-    _REGISTRY[module] = handle
+    handle = HookHandle(module, hook, name or type(module).__name__, child_hooks)
+    handle.install()
     return handle
 
 
@@ -192,11 +345,13 @@ def offload_component(module: nn.Module) -> Iterator[nn.Module]:
             f"offload_component: {type(module).__name__} has no offload hook; call "
             "ModelLevelOffloadBackend(...).enable(pipeline) on its pipeline first"
         )
-    hook.activate()
-    hook.context_depth += 1
+    with hook.lock:
+        hook.activate()
+        hook.context_depth += 1
     try:
         yield module
     finally:
-        hook.context_depth -= 1
-        if hook.context_depth == 0:
-            hook.component.evict()
+        with hook.lock:
+            hook.context_depth -= 1
+            if hook.context_depth == 0:
+                hook.component.evict()

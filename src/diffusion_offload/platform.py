@@ -122,6 +122,18 @@ class Platform:
         """Make the peak equal to the currently allocated bytes."""
         self._module.reset_peak_memory_stats(self.device)
 
+    def host_register(self, ptr: int, nbytes: int) -> bool:
+        """Pin ``nbytes`` of existing host memory at address ``ptr`` in place.
+
+        Returns False where the platform cannot (the default): callers then copy into
+        pinned memory per tensor, or stay pageable.
+        """
+        return False
+
+    def host_unregister(self, ptr: int) -> None:
+        """Undo ``host_register(ptr, ...)``."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
 
@@ -130,6 +142,23 @@ class CudaPlatform(Platform):
     """NVIDIA CUDA and AMD ROCm (HIP builds expose the ``cuda`` device type)."""
 
     supports_pinning = True
+
+    def host_register(self, ptr: int, nbytes: int) -> bool:
+        """``cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault)``; False on any error."""
+        try:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        except Exception:  # no runtime bindings in this build
+            return False
+        if int(err) != 0:
+            if hasattr(cudart, "cudaGetLastError"):
+                cudart.cudaGetLastError()  # clear it, so no later launch check reports it
+            return False
+        return True
+
+    def host_unregister(self, ptr: int) -> None:
+        """``cudaHostUnregister(ptr)``."""
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class XpuPlatform(Platform):
@@ -166,6 +195,14 @@ class FakePlatform(Platform):
     """The test accelerator of ``diffusion_offload.testing.fake_accelerator`` (``torch.fakegpu``)."""
 
     supports_pinning = True
+
+    def host_register(self, ptr: int, nbytes: int) -> bool:
+        """Simulated in-place pinning: the storage at ``ptr`` reports ``is_pinned()``."""
+        return bool(self._module.host_register(ptr, nbytes))
+
+    def host_unregister(self, ptr: int) -> None:
+        """Undo the simulated registration."""
+        self._module.host_unregister(ptr)
 
 
 class CpuPlatform(Platform):

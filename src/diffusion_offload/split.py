@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from .platform import platform_for
-from .transfer import ComponentWeights, Mover, TensorSlot, TransferStats, collect_tensors
+from .residency import ComponentWeights, WeightTable, named_tensors
+from .transfer import Mover, Transaction, TransferStats
 
 __all__ = ["PartSwitcher", "SupportsModelCpuOffload"]
 
@@ -81,25 +82,21 @@ class PartSwitcher:
             raise ValueError(f"parts {list(parts)} must be distinct modules")
         self.mover = Mover(platform_for(device), pin_memory)
         self.use_hsdp = use_hsdp
-        owners: dict[int, list[str]] = {}
-        tensors: dict[int, torch.Tensor] = {}
+        table = WeightTable(self.mover, shared_evictable=False)
         for name, module in parts.items():
-            for t in collect_tensors(module):
-                owners.setdefault(id(t), []).append(name)
-                tensors[id(t)] = t
-        slots = {k: TensorSlot(t, evictable=len(owners[k]) == 1) for k, t in tensors.items()}
-        self.parts: dict[str, ComponentWeights] = {}
-        for name, module in parts.items():
-            own = [slots[id(t)] for t in collect_tensors(module)]
-            self.parts[name] = ComponentWeights(name, "part", True, own, self.mover)
-        for slot in slots.values():
-            if slot.evictable:
-                self.mover.adopt(slot)
-            else:
-                self.mover.place(slot)
-        for part in self.parts.values():
-            part.resident = True
-            part.evict()
+            table.add(name, "part", True, module)
+        txn = Transaction()
+        try:
+            table.adopt({name: named_tensors(m) for name, m in parts.items()}, txn)
+            for weights in table.components.values():
+                weights.resident = True
+                weights.evict()
+                txn.on_rollback(weights.load)
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
+        self.parts: dict[str, ComponentWeights] = table.components
         self.active: str | None = None
 
     @property
@@ -116,7 +113,8 @@ class PartSwitcher:
         """
         if name not in self.parts:
             raise KeyError(f"unknown part {name!r}; parts: {list(self.parts)}")
-        if self.active != name:
+        if self.active != name or not self.parts[name].ready:
+            self.active = None  # a failed switch leaves no stale active part
             for other, weights in self.parts.items():
                 if other != name:
                     weights.evict()

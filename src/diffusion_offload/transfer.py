@@ -1,57 +1,78 @@
-"""Weight residency: one authoritative host copy per tensor, and the moves between them.
+"""Weight moves: one authoritative host copy per storage, and the moves between it and the device.
 
-``TensorSlot`` is one unique parameter or buffer (tied tensors share one slot).
-``ComponentWeights`` is the group of slots of one pipeline component and owns its loads
-and evictions; ``Mover`` performs every move on every platform the same way and keeps
-the engine's own counters (``TransferStats``).
+``TensorSlot`` is one host storage span and the tensor objects that view it (a tensor,
+its ties, and Parameters that alias one storage share one slot, so they keep one host
+copy and stay aliased). ``Mover`` performs every load and eviction on every platform the
+same way, inside a ``Transaction`` that can put every tensor back, and keeps the engine's
+counters (``TransferStats``).
 
-The rules (SPEC section 4):
+The rules (SPEC section 4, robustness contract):
 
-* Tensors move one by one, never through a recursive ``module.to()``. The module keeps
-  the same Python object for each parameter and buffer: the payload is exchanged with
-  ``torch.utils.swap_tensors`` (``p.data = t`` fails across CPU and PrivateUse1 tensors,
-  and between wrapper subclasses keeps old values), so Parameter identity holds, tied
-  tensors stay tied and compiled graphs keep their guards.
-* Each evictable tensor has exactly one host copy, made (and pinned, when asked and
-  supported) once at enable time. Loading copies host->device; evicting an unmodified
-  tensor drops the device copy and points the tensor back at the host copy, with no
-  device->host copy. A tensor changed while resident (in-place op: ``_version`` moved;
-  ``.data`` reassigned: storage no longer ``is_set_to`` the loaded copy) is copied back.
-* Moves run with inference mode off and autograd off, so host and device copies are
+* **The move primitive is ``tensor.data = payload``** (``_rebind``). The module keeps the
+  same Python object for each parameter and buffer (identity, ties, ``torch.compile``
+  guards hold), and the move works whoever else references the tensor: a live autograd
+  graph, a weakref from compiled code, a user variable. ``torch.utils.swap_tensors``
+  refuses all three. On CUDA/XPU/NPU ``set_data`` does this natively; the fake
+  accelerator (``testing.fake_accelerator``) gives ``.data`` the same behaviour.
+* Each evictable storage has exactly one host copy. A storage already on the host *is*
+  its host copy (pinned in place when asked and supported, see ``hostmem``); a tensor on
+  the device when it is adopted is copied to the host once, then. Loading copies
+  host->device once per storage; evicting an unmodified tensor rebinds it to its host
+  view (no device->host copy), which frees the device copy at once.
+* **Writes are found by comparing bytes, on the device.** At load each tensor gets a
+  128-bit fingerprint of its device bytes (``fingerprint``); at eviction a tensor whose
+  ``_version`` moved, whose dtype/shape changed, or whose new fingerprint differs is
+  written back. The fingerprints of a whole component are compared on the device and
+  read back in one copy of one byte per tensor. ``.data`` in-place ops (invisible to
+  ``_version``), ``.data`` reassignment to equal bytes (layerwise casting: no write-back)
+  and to new bytes (written back) are all decided by the bytes themselves.
+* Moves run with inference mode and autograd off, so host and device copies are
   ordinary tensors even when the caller is inside ``torch.inference_mode()``.
 """
 
 from __future__ import annotations
 
-import time
+import math
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import nn
 
+from . import hostmem
 from .platform import Platform, same_device
 
 __all__ = [
-    "ComponentWeights",
+        "Member",
     "Mover",
     "TensorSlot",
+    "Transaction",
     "TransferStats",
-    "Undo",
     "collect_tensors",
+    "fingerprint",
+    "payload_of",
 ]
 
 
 @dataclass
 class TransferStats:
-    """The engine's own counters of the weight moves it made.
+    """The engine's own counters of the weight moves it made, and its host memory.
 
     Attributes:
         h2d_bytes: weight bytes copied host->device.
-        d2h_bytes: weight bytes copied device->host (write-backs of modified tensors).
+        d2h_bytes: weight bytes copied device->host: write-backs of tensors whose bytes
+            changed while resident, and host copies of tensors adopted while on the device.
+            Fingerprint read-backs are not weight bytes and are not counted here.
         loads: component loads that moved at least one tensor.
         evictions: component evictions that moved at least one tensor.
         transfer_seconds: wall seconds spent in loads and evictions, synchronize included.
+        fingerprint_bytes: device bytes read to fingerprint tensors (at load and eviction).
+        fingerprints: fingerprints read back to the host (8 bytes each, one copy per
+            component load or eviction).
+        pinned_bytes: bytes of host copies in pinned (page-locked) memory now (a gauge).
+        pageable_host_bytes: bytes of host copies in pageable memory now (a gauge).
     """
 
     h2d_bytes: int = 0
@@ -59,15 +80,26 @@ class TransferStats:
     loads: int = 0
     evictions: int = 0
     transfer_seconds: float = 0.0
+    fingerprint_bytes: int = 0
+    fingerprints: int = 0
+    pinned_bytes: int = 0
+    pageable_host_bytes: int = 0
+
+    _GAUGES = ("pinned_bytes", "pageable_host_bytes")
 
     def snapshot(self) -> "TransferStats":
         """A copy of the current values."""
         return TransferStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def since(self, earlier: "TransferStats") -> "TransferStats":
-        """The counts accumulated after ``earlier`` (a ``snapshot``) was taken."""
+        """Counters accumulated after ``earlier`` (a ``snapshot``); gauges keep their current value."""
         return TransferStats(
-            **{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
+            **{
+                f.name: getattr(self, f.name)
+                if f.name in self._GAUGES
+                else getattr(self, f.name) - getattr(earlier, f.name)
+                for f in fields(self)
+            }
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -85,6 +117,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     except Exception:  # torch built without distributed
         return False
     return isinstance(t, DTensor)
+
+
+def payload_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose payload moves: a DTensor's local shard, or ``t`` itself."""
+    return t._local_tensor if _is_dtensor(t) else t
 
 
 def collect_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -105,50 +142,219 @@ def collect_tensors(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-class TensorSlot:
-    """One parameter or buffer object and, if it may be evicted, its host copy.
+# ----------------------------------------------------------------------------- fingerprints
+
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# 64-bit constants (two's complement) of the splitmix64 finaliser
+_K1, _K2, _K3 = -7046029254386353131, 0x632BE59BD9B4E019, -4658895280553007687
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat tensor of same-width integers (a copy only if non-contiguous)."""
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    x = x.reshape(-1)
+    return x.view(_WORD[x.element_size()])
+
+
+def _mix(start: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
+    """``n`` pseudo-random 64-bit multipliers for positions ``start..start+n`` (splitmix64)."""
+    h = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    h.mul_(_K1).add_(salt)
+    h.bitwise_xor_(h >> 31).mul_(_K3)
+    h.bitwise_xor_(h >> 29).mul_(_K1)
+    return h
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 64-bit fingerprint of ``t``'s bytes, computed where ``t`` lives.
+
+    The ``n`` words (the bytes read as integers of the element's width) are viewed as
+    rows of ``isqrt(n)`` words, so the temporaries are about ``48 * sqrt(n)`` bytes of
+    device memory (400 KiB for a 70 M-element weight); the fingerprint is ``sum_i r_i*a_i + sum_j c_j*b_j + sum_k t_k*d_k``
+    modulo 2**64, where ``r`` are the row sums, ``c`` the column sums, ``t`` the tail
+    words, ``a`` and ``d`` odd and ``b`` even position-dependent multipliers. The sums
+    are reductions with a 64-bit accumulator, so no full-size temporary is made.
+
+    A change of one word always changes the fingerprint (its coefficient, odd + even or
+    odd, is invertible modulo 2**64), as does any change confined to one row or one
+    column. A change of several words goes unseen only if the weighted sum of its row
+    and column differences vanishes modulo 2**64.
+
+    Args:
+        t: any dense tensor (elements of 1, 2, 4 or 8 bytes, or complex).
+
+    Returns:
+        An ``int64`` tensor of shape ``()`` on ``t.device``; no host synchronisation.
+    """
+    w = _words(t)
+    n = w.numel()
+    dev = w.device
+    k = math.isqrt(n)
+    rows = n // k if k else 0
+    acc = torch.zeros((), dtype=torch.int64, device=dev)
+    if rows:
+        grid = w[: rows * k].view(rows, k)
+        acc += (grid.sum(dim=1, dtype=torch.int64) * _mix(0, rows, _K2, dev).bitwise_or_(1)).sum()
+        acc += (grid.sum(dim=0, dtype=torch.int64) * (_mix(0, k, _K3, dev) << 1)).sum()
+    tail = w[rows * k :]
+    if tail.numel():
+        acc += (tail.to(torch.int64) * _mix(rows * k, tail.numel(), _K1, dev).bitwise_or_(1)).sum()
+    return acc
+
+
+# ----------------------------------------------------------------------------- slots
+
+
+class Member:
+    """One tensor object that views a slot's storage.
 
     Attributes:
-        live: the tensor object the modules hold; its identity never changes.
-        evictable: False when the tensor is shared with a component that must stay
-            resident; such a slot has no host copy and never leaves the device.
-        host: the authoritative host copy (pinned when ``pinned``), or None.
-        nbytes: payload size in bytes.
+        obj: the object the modules hold (a Parameter or buffer, or a DTensor's local
+            shard); its identity never changes.
+        dtype, shape, stride: the view's metadata in the host copy.
+        offset: storage offset, in elements of ``dtype``, from the slot's span start.
+        fp: the 64-bit fingerprint (a Python int, read back at load) of the payload as
+            loaded or as last written back, while resident; None while evicted.
+        version: ``obj._version`` when it was loaded.
     """
 
-    __slots__ = ("live", "evictable", "host", "pinned", "nbytes", "_alias", "_version")
+    __slots__ = ("obj", "dtype", "shape", "stride", "offset", "fp", "version")
 
-    def __init__(self, live: torch.Tensor, evictable: bool) -> None:
-        self.live = live
-        self.evictable = evictable
-        self.host: torch.Tensor | None = None
-        self.pinned = False
-        self.nbytes = _nbytes(self.tensor)  # a DTensor's local shard, not the global size
-        self._alias: torch.Tensor | None = None  # the device copy as loaded
-        self._version = 0
+    def __init__(self, obj: torch.Tensor, offset: int, stride: tuple[int, ...]) -> None:
+        self.obj = obj
+        p = payload_of(obj)
+        self.dtype = p.dtype
+        self.shape = tuple(p.shape)
+        self.stride = stride
+        self.offset = offset
+        self.fp: int | None = None
+        self.version = 0
 
     @property
-    def tensor(self) -> torch.Tensor:
-        """The tensor whose payload moves: the DTensor's local shard, or ``live``."""
-        return self.live._local_tensor if _is_dtensor(self.live) else self.live
+    def payload(self) -> torch.Tensor:
+        """The tensor whose data moves (``obj`` or its DTensor shard)."""
+        return payload_of(self.obj)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.payload)
+
+
+class TensorSlot:
+    """One host storage span (the authoritative host copy) and the tensors that view it.
+
+    Attributes:
+        members: the tensor objects viewing the span (one, or several tied/aliased ones).
+        evictable: False when a member is shared with a component that must stay
+            resident; such a slot never leaves the device.
+        host: the host copy: a flat ``uint8`` tensor of ``nbytes`` bytes (a span of the
+            original storage when the weights were on the host, pinned in place when
+            possible; otherwise a fresh host buffer). None for a non-evictable slot placed
+            on the device for good.
+        pinned: whether ``host`` is in pinned memory.
+        nbytes: bytes of the span (moved host->device once per load).
+        owners: names of the components that hold the slot.
+    """
+
+    __slots__ = ("members", "evictable", "host", "pinned", "nbytes", "owners")
+
+    def __init__(
+        self,
+        members: list[Member],
+        host: torch.Tensor | None,
+        pinned: bool,
+        nbytes: int | None = None,
+    ) -> None:
+        self.members = members
+        self.evictable = True
+        self.host = host
+        self.pinned = pinned
+        self.nbytes = host.numel() if host is not None else int(nbytes or 0)
+        self.owners: set[str] = set()
+
+    def view(self, buf: torch.Tensor, m: Member) -> torch.Tensor:
+        """Member ``m``'s view into ``buf`` (the host span or its device copy)."""
+        typed = buf.view(m.dtype)
+        return typed.as_strided(m.shape, m.stride, typed.storage_offset() + m.offset)
 
     def on_device(self, device: torch.device) -> bool:
-        """Whether the payload currently lives on ``device``."""
-        return same_device(self.tensor.device, device)
+        """Whether the payload currently lives on ``device`` (judged by the first member)."""
+        return same_device(self.members[0].payload.device, device)
 
     def __repr__(self) -> str:
-        return f"TensorSlot({tuple(self.live.shape)}, {self.live.dtype}, {self.tensor.device})"
+        m = self.members[0]
+        return f"TensorSlot({len(self.members)} tensor(s), {m.shape}, {m.dtype}, {m.payload.device})"
 
 
-def _replacement(target: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
-    """A fresh tensor object of ``target``'s kind (Parameter or not) holding ``payload``."""
-    if isinstance(target, nn.Parameter):
-        return nn.Parameter(payload, requires_grad=target.requires_grad)
-    return payload.detach()
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
 
 
-Undo = list[tuple[TensorSlot, torch.Tensor]]
-"""Displaced payloads recorded at enable time: swap each back, in reverse, to roll back."""
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _rebind(obj: torch.Tensor, payload: torch.Tensor) -> None:
+    """The move primitive: point ``obj`` at ``payload`` (``obj.data = payload``).
+
+    Identity, Parameter-ness, attributes and ``requires_grad`` of ``obj`` are kept, and it
+    works whatever else references ``obj``. Tests replace this function to inject faults
+    between tensor moves.
+    """
+    obj.data = payload
+
+
+class Transaction:
+    """An undo log: every rebind made through it can be put back, in reverse order.
+
+    ``rollback`` restores each tensor's previous payload and runs the registered undo
+    callbacks; objects allocated by the transaction are then unreferenced and freed at
+    once. ``commit`` forgets the log (dropping device payloads it kept alive).
+    """
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[torch.Tensor | None, Any]] = []
+
+    def rebind(self, obj: torch.Tensor, payload: torch.Tensor) -> None:
+        """``_rebind`` ``obj`` (its DTensor shard, for a DTensor) to ``payload``,
+        remembering the current payload."""
+        target = payload_of(obj)
+        with torch.inference_mode(False), torch.no_grad():
+            previous = target.detach()
+        self._undo.append((target, previous))
+        _rebind(target, payload)
+
+    def on_rollback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (in reverse order with the rebinds) if the transaction rolls back."""
+        self._undo.append((None, fn))
+
+    def rollback(self) -> None:
+        """Put every rebind back and run the undo callbacks, newest first."""
+        with torch.inference_mode(False), torch.no_grad():
+            while self._undo:
+                obj, x = self._undo.pop()
+                if obj is None:
+                    x()
+                else:
+                    _rebind(obj, x)
+
+    def commit(self) -> None:
+        """Keep every change; drop the log."""
+        self._undo.clear()
+
+
+# ----------------------------------------------------------------------------- the mover
 
 
 class Mover:
@@ -157,217 +363,294 @@ class Mover:
     Args:
         platform: the device's platform (synchronize, pinning, blocking D2H).
         pin_memory: pin host copies when the platform supports it.
+        max_pinned_bytes: at most this many bytes of host copies are pinned (the rest stay
+            pageable); None: no cap.
 
     Attributes:
         stats: the engine's counters (``TransferStats``).
     """
 
-    def __init__(self, platform: Platform, pin_memory: bool) -> None:
+    def __init__(
+        self, platform: Platform, pin_memory: bool, max_pinned_bytes: int | None = None
+    ) -> None:
         self.platform = platform
         self.device = platform.device
         self.pin = pin_memory and platform.supports_pinning
+        self.max_pinned_bytes = max_pinned_bytes
         self.stats = TransferStats()
         self._pin_warned = False
 
-    # -- primitive moves --------------------------------------------------------------
+    # -- host copies ------------------------------------------------------------------
 
-    def _swap(self, slot: TensorSlot, payload: torch.Tensor, undo: Undo | None) -> None:
-        """Point ``slot``'s tensor at ``payload``.
-
-        The object left holding the old payload is appended to ``undo`` (enable time, so
-        a failure can swap it back) or dropped, which frees a device payload.
-        """
-        target = slot.tensor
-        other = _replacement(target, payload)
-        torch.utils.swap_tensors(target, other)
-        if undo is not None:
-            undo.append((slot, other))
-
-    def _pinned(self, host: torch.Tensor) -> torch.Tensor | None:
-        """A pinned copy of ``host``, or None (pinning off, a DTensor shard, or it failed)."""
+    def _may_pin(self, nbytes: int) -> bool:
         if not self.pin:
-            return None
-        try:
-            return host.pin_memory()
-        except RuntimeError as exc:
-            if not self._pin_warned:
-                self._pin_warned = True
-                warnings.warn(
-                    f"pinning host memory failed ({exc}); host copies fall back to pageable "
-                    "memory (slower, synchronous host->device copies)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return None
+            return False
+        cap = self.max_pinned_bytes
+        return cap is None or self.stats.pinned_bytes + nbytes <= cap
 
-    def adopt(self, slot: TensorSlot, undo: Undo | None = None) -> None:
-        """Give an evictable slot its host copy (enable time; never on the eviction path).
+    def _warn_pin(self, why: str) -> None:
+        if not self._pin_warned:
+            self._pin_warned = True
+            warnings.warn(
+                f"pinning host memory failed ({why}); host copies fall back to pageable "
+                "memory (slower, synchronous host->device copies)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
-        A payload on the host becomes the host copy itself, or is replaced by its pinned
-        copy. A payload on the device gets a host copy through one D2H copy (counted) and
-        the slot stays resident.
+    def _account(self, slot: TensorSlot, sign: int) -> None:
+        if slot.host is None:
+            return
+        if slot.pinned:
+            self.stats.pinned_bytes += sign * slot.nbytes
+        else:
+            self.stats.pageable_host_bytes += sign * slot.nbytes
+
+    def group(self, objs: Iterable[torch.Tensor], txn: Transaction, evictable: bool) -> list[TensorSlot]:
+        """Build the slots of ``objs`` (enable or adoption time; never on the eviction path).
+
+        Host tensors that share a storage become one slot whose host copy is the span of
+        the original storage they cover. For evictable slots that span is pinned in place
+        when allowed (no second copy), and a tensor on the device gets a host copy of its
+        own through one D2H copy (counted in ``d2h_bytes``) and stays resident.
+        Non-evictable tensors get no host copy: ``place`` puts them on the device for good.
+
+        Raises:
+            ValueError: a tensor is on a device other than the host and this device.
         """
-        t = slot.tensor
-        with torch.inference_mode(False), torch.no_grad():
-            on_device = slot.on_device(self.device)
-            host = t.to("cpu") if on_device else t.detach()
-            pinned = None if _is_dtensor(slot.live) else self._pinned(host)
-            slot.host = pinned if pinned is not None else host
-            slot.pinned = pinned is not None
-            if on_device:
-                slot._alias = t.detach()
-                slot._version = t._version
-                self.stats.d2h_bytes += slot.nbytes
-            elif pinned is not None:
-                self._swap(slot, pinned, undo)
+        host_groups: dict[int, list[torch.Tensor]] = {}
+        slots: list[TensorSlot] = []
+        for obj in objs:
+            p = payload_of(obj)
+            if p.device.type == "cpu":
+                host_groups.setdefault(p.untyped_storage().data_ptr() or id(p), []).append(obj)
+            elif not same_device(p.device, self.device):
+                raise ValueError(
+                    f"a tensor of shape {tuple(p.shape)} is on {p.device}; offload to "
+                    f"{self.device} handles tensors on the host or on {self.device} only"
+                )
+            elif evictable:
+                slots.append(self._adopt_device(obj, txn))
+            else:
+                member = Member(obj, p.storage_offset(), p.stride())
+                slots.append(TensorSlot([member], None, False, _nbytes(p)))
+        for objs_of_storage in host_groups.values():
+            slots.extend(self._adopt_host(objs_of_storage, txn, pin=evictable))
+        for slot in slots:
+            slot.evictable = evictable
+        self.record([m for s in slots if s.evictable and s.on_device(self.device) for m in s.members])
+        return slots
 
-    def load(self, slot: TensorSlot, undo: Undo | None = None) -> int:
-        """Copy the slot to the device if it is not there; return the H2D bytes."""
+    def _pin(self, span: torch.Tensor, objs: list[torch.Tensor], txn: Transaction) -> tuple[torch.Tensor, bool]:
+        """Pin the host ``span`` (``uint8``) if allowed: in place, else by one pinned copy.
+
+        Returns the span to use as host copy and whether it is pinned. DTensor shards are
+        never pinned. A failure falls back to pageable memory with one warning.
+        """
+        if not self._may_pin(span.numel()) or any(_is_dtensor(o) for o in objs):
+            return span, False
+        if span.is_pinned():
+            return span, True
+        storage = span.untyped_storage()
+        if hostmem.pin_in_place(self.platform, storage):
+            txn.on_rollback(lambda: hostmem.unpin_in_place(self.platform, storage))
+            return span, True
+        try:  # a read-only mapping, or no in-place registration here: copy, per storage
+            return span.pin_memory(), True
+        except RuntimeError as exc:
+            self._warn_pin(str(exc))
+            return span, False
+
+    def _adopt_device(self, obj: torch.Tensor, txn: Transaction) -> TensorSlot:
+        p = payload_of(obj)
+        member = Member(obj, 0, _contiguous_stride(tuple(p.shape)))
+        nbytes = _nbytes(p)
+        with torch.inference_mode(False), torch.no_grad():
+            host, pinned = self._pin(torch.empty(nbytes, dtype=torch.uint8), [obj], txn)
+            slot = TensorSlot([member], host, pinned)
+            slot.view(host, member).copy_(p)
+        self.stats.d2h_bytes += nbytes
+        self._account(slot, +1)
+        txn.on_rollback(lambda: self._account(slot, -1))
+        return slot
+
+    def _adopt_host(
+        self, objs: list[torch.Tensor], txn: Transaction, pin: bool = True
+    ) -> list[TensorSlot]:
+        payloads = [payload_of(o) for o in objs]
+        align = max(p.element_size() for p in payloads)
+        storage = payloads[0].untyped_storage()
+        lo = min(p.storage_offset() * p.element_size() for p in payloads)
+        hi = max(
+            (p.storage_offset() + _extent(tuple(p.shape), p.stride())) * p.element_size()
+            for p in payloads
+        )
+        lo -= lo % align
+        hi = min(hi + (-hi) % align, storage.nbytes())
+        if len(objs) > 1 and (hi - lo) % align:
+            # aliases of several element sizes that do not tile: one slot each
+            return [s for o in objs for s in self._adopt_host([o], txn, pin)]
+        members = [
+            Member(o, (p.storage_offset() * p.element_size() - lo) // p.element_size(), p.stride())
+            for o, p in zip(objs, payloads)
+        ]
+        with torch.inference_mode(False), torch.no_grad():
+            span = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
+            host, pinned = self._pin(span, objs, txn) if pin else (span, False)
+            slot = TensorSlot(members, host, pinned)
+            if host is not span:  # pinned by copy: the members move to the pinned copy
+                for m in members:
+                    txn.rebind(m.obj, slot.view(host, m))
+        self._account(slot, +1)
+        txn.on_rollback(lambda: self._account(slot, -1))
+        return [slot]
+
+    def release(self, slot: TensorSlot) -> None:
+        """Forget a slot no component holds any more (its gauges; memory goes with it)."""
+        self._account(slot, -1)
+
+    def unrelease(self, slot: TensorSlot) -> None:
+        """Undo ``release`` (a rolled-back structural change)."""
+        self._account(slot, +1)
+
+    # -- loads and evictions ----------------------------------------------------------
+
+    def load(self, slot: TensorSlot, txn: Transaction) -> int:
+        """Copy the slot's span to the device and rebind its members; return the H2D bytes.
+
+        A member whose host payload was replaced while evicted (``.data = t`` on the host)
+        has its new values copied into the host copy first (a host copy, not a transfer).
+        """
         if slot.on_device(self.device):
             return 0
-        t = slot.tensor
-        if slot.host is not None and not t.is_set_to(slot.host):
-            # ``.data`` was reassigned on the host while evicted: that payload is the copy now
-            slot.host, slot.pinned = t.detach(), False
-            slot.nbytes = _nbytes(t)
-        src = slot.host if slot.host is not None else t
         with torch.inference_mode(False), torch.no_grad():
-            dev = src.to(self.device, non_blocking=slot.pinned)
-            self._swap(slot, dev, undo)
-            slot._alias = dev
-            slot._version = slot.tensor._version
+            self._take_host_writes(slot)
+            whole = self._whole_view(slot)
+            if whole is not None:  # one tensor covering the span: copy it as itself
+                txn.rebind(slot.members[0].obj, whole.to(self.device, non_blocking=slot.pinned))
+            else:
+                dev = slot.host.to(self.device, non_blocking=slot.pinned)
+                for m in slot.members:
+                    txn.rebind(m.obj, slot.view(dev, m))
+                del dev
         self.stats.h2d_bytes += slot.nbytes
         return slot.nbytes
 
-    def evict(self, slot: TensorSlot, undo: Undo | None = None) -> int:
-        """Point an evictable slot back at its host copy; return the D2H bytes (0 if unmodified)."""
-        if not slot.evictable or not slot.on_device(self.device):
-            return 0
-        t = slot.tensor
-        written = 0
+    @staticmethod
+    def _whole_view(slot: TensorSlot) -> torch.Tensor | None:
+        """The host view of a slot's only member when it covers the span contiguously."""
+        if len(slot.members) != 1:
+            return None
+        m = slot.members[0]
+        view = slot.view(slot.host, m)
+        if m.offset or not view.is_contiguous() or _nbytes(view) != slot.nbytes:
+            return None
+        return view
+
+    def _fingerprints(self, members: list[Member]) -> list[int]:
+        """The members' current fingerprints, computed on the device, read back in one copy
+        of 8 bytes per tensor."""
+        if not members:
+            return []
         with torch.inference_mode(False), torch.no_grad():
-            modified = (
-                slot._alias is None
-                or t._version != slot._version
-                or not t.is_set_to(slot._alias)
-            )
-            if modified:
-                host = slot.host
-                if host is not None and host.shape == t.shape and host.dtype == t.dtype:
-                    host.copy_(t, non_blocking=slot.pinned and not self.platform.blocking_d2h)
-                else:  # reshaped or retyped through ``.data``: a new, pageable host copy
-                    slot.host, slot.pinned = t.to("cpu"), False
-                written = _nbytes(t)
-                slot.nbytes = written
-            self._swap(slot, slot.host, undo)
-            slot._alias = None
+            fps = torch.stack([fingerprint(m.payload) for m in members]).cpu().tolist()
+        self.stats.fingerprint_bytes += sum(m.nbytes for m in members)
+        self.stats.fingerprints += len(members)
+        return fps
+
+    def record(self, members: list[Member]) -> None:
+        """Remember the members' resident bytes (fingerprint, version): a load's last step."""
+        for m, fp in zip(members, self._fingerprints(members)):
+            m.fp = fp
+            m.version = m.payload._version
+
+    def _take_host_writes(self, slot: TensorSlot) -> None:
+        for m in slot.members:
+            p = m.payload
+            view = slot.view(slot.host, m)
+            if p.data_ptr() == view.data_ptr() and p.stride() == view.stride():
+                continue
+            if p.dtype != m.dtype or tuple(p.shape) != m.shape:
+                if len(slot.members) > 1:
+                    raise RuntimeError(
+                        f"a tensor aliased with {len(slot.members) - 1} other(s) was given a "
+                        f"new dtype/shape {p.dtype}/{tuple(p.shape)} while offloaded; call "
+                        "backend.disable() before changing aliased weights"
+                    )
+                self._rehome(slot, m, p.contiguous() if not p.is_contiguous() else p)
+            else:
+                view.copy_(p)
+
+    def _rehome(self, slot: TensorSlot, m: Member, host_value: torch.Tensor) -> None:
+        """Make ``host_value`` (a host tensor) the only member's new host copy (pageable)."""
+        self._account(slot, -1)
+        flat = host_value.detach().reshape(-1).view(torch.uint8)
+        slot.host, slot.pinned, slot.nbytes = flat, False, flat.numel()
+        m.dtype, m.shape = host_value.dtype, tuple(host_value.shape)
+        m.stride, m.offset = _contiguous_stride(m.shape), 0
+        self._account(slot, +1)
+
+    def evict(self, slots: list[TensorSlot], txn: Transaction) -> int:
+        """Rebind every member of ``slots`` (resident, evictable) to its host copy.
+
+        Members whose bytes changed since they were loaded are written back first; their
+        reference fingerprint is then the written value, so a retry after a rollback does
+        not write twice. When the device has no room left even for the fingerprints
+        (8 bytes a tensor), every member is written back instead. Returns the D2H bytes
+        written. Write-backs are synchronized
+        before this returns when they were asynchronous.
+        """
+        members = [(s, m) for s in slots for m in s.members]
+        if not members:
+            return 0
+        written = 0
+        try:
+            now: list[int | None] = self._fingerprints([m for _, m in members])
+        except torch.OutOfMemoryError:
+            # no device room for the fingerprints' few bytes: write everything back
+            # (costs D2H copies, needs no device memory), so the eviction still frees it
+            now = [None] * len(members)
+        with torch.inference_mode(False), torch.no_grad():
+            for (slot, m), fp in zip(members, now):
+                p = m.payload
+                same_layout = p.dtype == m.dtype and tuple(p.shape) == m.shape
+                if same_layout and fp is not None and m.fp == fp and m.payload._version == m.version:
+                    continue  # unchanged: no copy
+                if same_layout:
+                    slot.view(slot.host, m).copy_(
+                        p, non_blocking=slot.pinned and not self.platform.blocking_d2h
+                    )
+                elif len(slot.members) == 1:
+                    self._rehome(slot, m, p.to("cpu"))
+                else:
+                    raise RuntimeError(
+                        f"a tensor aliased with {len(slot.members) - 1} other(s) was given a "
+                        f"new dtype/shape {p.dtype}/{tuple(p.shape)} while resident; call "
+                        "backend.disable() before changing aliased weights"
+                    )
+                written += _nbytes(p)
+                m.fp, m.version = fp, m.payload._version
+            if written and not self.platform.blocking_d2h and any(s.pinned for s in slots):
+                self.platform.synchronize()
+            for slot, m in members:
+                txn.rebind(m.obj, slot.view(slot.host, m))
         self.stats.d2h_bytes += written
         return written
 
-    def place(self, slot: TensorSlot, undo: Undo | None = None) -> int:
-        """Move a non-evictable slot to the device for good (enable time); return H2D bytes."""
-        if slot.on_device(self.device):
-            return 0
-        with torch.inference_mode(False), torch.no_grad():
-            self._swap(slot, slot.tensor.to(self.device), undo)
-        self.stats.h2d_bytes += slot.nbytes
-        return slot.nbytes
+    def place(self, slot: TensorSlot, txn: Transaction) -> int:
+        """Put a non-evictable slot on the device for good and drop its host copy.
 
-
-class ComponentWeights:
-    """The tensors of one pipeline component and their residency (loads and evictions).
-
-    Args:
-        name: the component's name (e.g. ``"transformer"``), for messages and traces.
-        role: ``"dit"``, ``"text_encoder"``, ``"encoder"``, ``"vae"`` or ``"resident"``.
-        selected: True if the config selects this component for offload.
-        slots: the component's slots (shared slots appear in every owner).
-        mover: the backend's ``Mover``.
-
-    Attributes:
-        resident: True while the component's evictable tensors are on the device.
-        nbytes: bytes of all the component's tensors (shared ones included).
-    """
-
-    def __init__(
-        self, name: str, role: str, selected: bool, slots: list[TensorSlot], mover: Mover
-    ) -> None:
-        self.name = name
-        self.role = role
-        self.selected = selected
-        self.slots = slots
-        self.mover = mover
-        self.resident = not selected
-        self.nbytes = sum(s.nbytes for s in slots)
-        self.listeners: list = []  # callables (event, component, seconds) for traces
-
-    @property
-    def evictable_bytes(self) -> int:
-        """Bytes that leave the device when this component is evicted."""
-        return sum(s.nbytes for s in self.slots if s.evictable)
-
-    def _notify(self, event: str, seconds: float) -> None:
-        for listener in self.listeners:
-            listener(event, self, seconds)
-
-    def load(self) -> int:
-        """Copy every tensor of the component to the device; return H2D bytes.
-
-        A selected component that is already resident returns 0 at once.
-        Raises ``torch.OutOfMemoryError`` from the device with the component named; the
-        tensors loaded before the failure are evicted again (free: they are unmodified),
-        so a failed load leaves nothing of the component on the device.
+        Returns the H2D bytes (0 when it is already there).
         """
-        if self.resident:
-            return 0
-        start = time.perf_counter()
-        loaded: list[TensorSlot] = []
-        moved = 0
-        try:
-            for slot in self.slots:
-                n = self.mover.load(slot)
-                if n:
-                    loaded.append(slot)
-                    moved += n
-        except torch.OutOfMemoryError as exc:
-            for slot in loaded:
-                self.mover.evict(slot)
-            raise torch.OutOfMemoryError(
-                f"out of device memory while loading component {self.name!r} "
-                f"({self.nbytes} bytes): {exc}"
-            ) from exc
-        if moved:
-            self.mover.platform.synchronize()
-        seconds = time.perf_counter() - start
-        self.resident = True
-        if moved:
-            self.mover.stats.loads += 1
-            self.mover.stats.transfer_seconds += seconds
-            self._notify("load", seconds)
+        moved = 0 if slot.host is None else self.load(slot, txn)
+        if slot.host is not None:
+            host, pinned = slot.host, slot.pinned
+            self._account(slot, -1)
+            slot.host, slot.pinned = None, False
+
+            def undo() -> None:
+                slot.host, slot.pinned = host, pinned
+                self._account(slot, +1)
+
+            txn.on_rollback(undo)
         return moved
-
-    def evict(self) -> int:
-        """Point every evictable tensor back at its host copy; return the tensors moved.
-
-        Unselected components never evict; tensors shared with resident components stay.
-        Unmodified tensors cost no copy; write-backs of modified ones are synchronized
-        before this returns.
-        """
-        if not self.selected or not self.resident:
-            return 0
-        start = time.perf_counter()
-        on_device = [s for s in self.slots if s.evictable and s.on_device(self.mover.device)]
-        written = sum(self.mover.evict(s) for s in on_device)
-        if written:  # asynchronous write-backs must land before the host copy is read
-            self.mover.platform.synchronize()
-        seconds = time.perf_counter() - start
-        self.resident = False
-        if on_device:
-            self.mover.stats.evictions += 1
-            self.mover.stats.transfer_seconds += seconds
-            self._notify("evict", seconds)
-        return len(on_device)
-
-    def __repr__(self) -> str:
-        state = "resident" if self.resident else "host"
-        return f"ComponentWeights({self.name!r}, role={self.role!r}, {state})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -218,6 +219,11 @@ class Omni:
         component_roles: role overrides (component name -> role).
         trace: record a residency/stage trace (``trace_dict()``, ``write_trace()``).
         progress: show the pipeline's progress bar over denoising steps.
+        max_pinned_bytes: pin at most this many bytes of host copies (the rest stay
+            pageable); None: no cap. See ``ModelLevelOffloadBackend``.
+
+    ``generate`` is thread-safe: whole calls are serialized, so each returns the result
+    and the ``offload_stats`` of its request run alone.
 
     Validation order: config, dtype, device, model files, fit check; only then are
     weights read (to the host) and offload enabled.
@@ -240,8 +246,10 @@ class Omni:
         *,
         trace: bool = False,
         progress: bool = True,
+        max_pinned_bytes: int | None = None,
     ) -> None:
         start = time.perf_counter()
+        self._lock = threading.RLock()
         self.config = parse_diffusion_offload_config(
             diffusion_offload_config, enable_cpu_offload=enable_cpu_offload
         )
@@ -271,7 +279,10 @@ class Omni:
         self.backend: ModelLevelOffloadBackend | None = None
         if self.config is not None and not self.platform.is_noop:
             self.backend = ModelLevelOffloadBackend(
-                self.config, self.device, component_roles=self.component_roles
+                self.config,
+                self.device,
+                component_roles=self.component_roles,
+                max_pinned_bytes=max_pinned_bytes,
             )
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:
@@ -374,14 +385,15 @@ class Omni:
             torch.OutOfMemoryError: the device ran out of memory; the message names
                 the stage and the component being loaded.
         """
-        if self.pipeline is None:
-            raise RuntimeError("this Omni engine is closed; build a new one to generate")
-        items = _normalize_prompts(prompts)
-        params = sampling_params or SamplingParams()
-        kwargs = self._call_kwargs(params)
-        if any(neg is not None for _, neg in items) and "negative_prompt" not in self._call_params:
-            raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
-        return [self._run(prompt, negative, params, kwargs) for prompt, negative in items]
+        with self._lock:  # one request at a time: no thread evicts a component mid-forward
+            if self.pipeline is None:
+                raise RuntimeError("this Omni engine is closed; build a new one to generate")
+            items = _normalize_prompts(prompts)
+            params = sampling_params or SamplingParams()
+            kwargs = self._call_kwargs(params)
+            if any(neg is not None for _, neg in items) and "negative_prompt" not in self._call_params:
+                raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
+            return [self._run(prompt, negative, params, kwargs) for prompt, negative in items]
 
     def _run(
         self, prompt: str, negative: str | None, params: SamplingParams, kwargs: dict[str, Any]
@@ -440,15 +452,16 @@ class Omni:
 
     def close(self) -> None:
         """Disable offload, drop the pipeline and empty the device cache (idempotent)."""
-        if getattr(self, "pipeline", None) is None:
-            return
-        if self.backend is not None:
-            self.backend.disable()
-        self._timer.remove()
-        _clear_method_caches(self.pipeline)
-        self.pipeline = None
-        gc.collect()
-        self.platform.empty_cache()
+        with self._lock:
+            if getattr(self, "pipeline", None) is None:
+                return
+            if self.backend is not None:
+                self.backend.disable()
+            self._timer.remove()
+            _clear_method_caches(self.pipeline)
+            self.pipeline = None
+            gc.collect()
+            self.platform.empty_cache()
 
     def __enter__(self) -> "Omni":
         return self

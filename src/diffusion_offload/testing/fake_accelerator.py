@@ -24,7 +24,8 @@ What it gives a test that a CPU run cannot:
 * **Pinning.** ``Tensor.pin_memory()`` / ``Tensor.is_pinned()`` work on host tensors
   (CPU kernels for ``aten::_pin_memory`` and ``aten::is_pinned`` registered with
   ``torch.library``). A pinned tensor is an ordinary CPU tensor whose storage is
-  remembered as pinned until the tensor returned by ``pin_memory()`` is freed.
+  remembered as pinned until that storage is freed. ``torch.fakegpu.host_register`` /
+  ``host_unregister`` simulate ``cudaHostRegister`` (pinning an existing storage in place).
 
 What it cannot simulate: streams, asynchronous copies, allocator caching and
 fragmentation. Those exist only on a real GPU (see ``bench/gpu_check.py``).
@@ -77,7 +78,8 @@ class _Counters:
         self.transfers = 0
         self.synchronizes = 0
         self.capacity: int | None = None
-        # storage data pointer -> [number of live inner tensors, storage nbytes]
+        # StorageImpl address (``UntypedStorage._cdata``, stable across ``resize_``) ->
+        # [number of live inner tensors, storage nbytes]
         self.storages: dict[int, list[int]] = {}
         # data pointers of pinned host storages
         self.pinned: set[int] = set()
@@ -97,32 +99,57 @@ def _release_storage(key: int) -> None:
             _counters.allocated_bytes -= entry[1]
 
 
+def _reserve(nbytes: int) -> None:
+    """Count ``nbytes`` more device bytes, or raise ``torch.OutOfMemoryError`` (lock held)."""
+    capacity = _counters.capacity
+    if capacity is not None and nbytes > 0 and _counters.allocated_bytes + nbytes > capacity:
+        raise torch.OutOfMemoryError(
+            f"fakegpu out of memory: tried to allocate {nbytes} bytes with "
+            f"{_counters.allocated_bytes} bytes allocated and a capacity of {capacity} bytes"
+        )
+    _counters.allocated_bytes += nbytes
+    _counters.peak_bytes = max(_counters.peak_bytes, _counters.allocated_bytes)
+
+
 def _track(inner: torch.Tensor) -> None:
-    """Count ``inner``'s storage as device memory while ``inner`` is alive."""
+    """Count ``inner``'s storage as device memory while ``inner`` is alive.
+
+    Raises:
+        torch.OutOfMemoryError: a new storage would exceed the capacity.
+    """
     if inner.__dict__.get("_fakegpu_tracked"):
         return
     storage = inner.untyped_storage()
-    nbytes = storage.nbytes()
-    if nbytes == 0:
-        return
-    key = storage.data_ptr()
+    key = storage._cdata
     with _lock:
         entry = _counters.storages.get(key)
         if entry is None:
-            capacity = _counters.capacity
-            if capacity is not None and _counters.allocated_bytes + nbytes > capacity:
-                raise torch.OutOfMemoryError(
-                    f"fakegpu out of memory: tried to allocate {nbytes} bytes with "
-                    f"{_counters.allocated_bytes} bytes allocated and a capacity of "
-                    f"{capacity} bytes"
-                )
-            _counters.storages[key] = [1, nbytes]
-            _counters.allocated_bytes += nbytes
-            _counters.peak_bytes = max(_counters.peak_bytes, _counters.allocated_bytes)
+            _reserve(storage.nbytes())
+            _counters.storages[key] = [1, storage.nbytes()]
         else:
             entry[0] += 1
     inner._fakegpu_tracked = True
     weakref.finalize(inner, _release_storage, key)
+
+
+def _regrow(inner: torch.Tensor, before: int) -> None:
+    """Account a storage that an op grew in place (``resize_``, ``out=``) from ``before`` bytes.
+
+    Raises:
+        torch.OutOfMemoryError: the growth exceeds the capacity (the storage is shrunk back
+            to ``before`` bytes first, as a failed CUDA allocation leaves it).
+    """
+    storage = inner.untyped_storage()
+    with _lock:
+        entry = _counters.storages.get(storage._cdata)
+        if entry is None or storage.nbytes() == entry[1]:
+            return
+        try:
+            _reserve(storage.nbytes() - entry[1])
+        except torch.OutOfMemoryError:
+            storage.resize_(before)
+            raise
+        entry[1] = storage.nbytes()
 
 
 class FakeDeviceTensor(torch.Tensor):
@@ -210,6 +237,10 @@ def _dispatch(func, args, kwargs):
         _count_copy("d2h", _nbytes(out))
         return out
 
+    if func is _aten._local_scalar_dense.default:  # ``.item()``: one device->host copy
+        _count_copy("d2h", args[0].element_size())
+        return func(_unwrap(args[0]))
+
     flat, _ = pytree.tree_flatten((args, kwargs))
     for x in flat:
         if _is_host_tensor(x) and x.dim() > 0 and x.device.type == "cpu":
@@ -217,6 +248,9 @@ def _dispatch(func, args, kwargs):
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, {_DEVICE} and cpu! (in {func})"
             )
+
+    if func._schema.is_mutable:  # resize_, out= ops: storages may grow, shapes change
+        return _dispatch_mutating(func, args, kwargs, flat)
 
     host_out = _device_kwarg_is_host(kwargs)
     inners = {id(x._inner): x for x in flat if isinstance(x, FakeDeviceTensor)}
@@ -246,6 +280,62 @@ def _dispatch(func, args, kwargs):
     return pytree.tree_map(wrap, out)
 
 
+def _dispatch_mutating(func, args, kwargs, flat):
+    """Run an op that writes its arguments, as CUDA would: grown storages are counted and
+    capped, and a written argument whose shape changed takes the new shape."""
+    fakes = [x for x in flat if isinstance(x, FakeDeviceTensor)]
+    before = {id(x): x._inner.untyped_storage().nbytes() for x in fakes}
+    if func is _aten.resize_.default:
+        self = args[0]
+        needed = (self.storage_offset() + _numel(args[1])) * self.element_size()
+        grow = needed - before[id(self)]
+        if grow > 0:
+            with _lock:
+                capacity = _counters.capacity
+                if capacity is not None and _counters.allocated_bytes + grow > capacity:
+                    raise torch.OutOfMemoryError(
+                        f"fakegpu out of memory: tried to allocate {grow} bytes with "
+                        f"{_counters.allocated_bytes} bytes allocated and a capacity of "
+                        f"{capacity} bytes"
+                    )
+    out = func(*pytree.tree_map(_unwrap, args), **pytree.tree_map(_unwrap, kwargs))
+    for x in fakes:
+        inner = x._inner
+        if inner.untyped_storage().nbytes() != before[id(x)]:
+            _regrow(inner, before[id(x)])
+        if (
+            x.shape != inner.shape
+            or x.stride() != inner.stride()
+            or x.storage_offset() != inner.storage_offset()
+        ):
+            _reshape_wrapper(x)
+    inners = {id(x._inner): x for x in fakes}
+    return pytree.tree_map(
+        lambda r: inners.get(id(r), FakeDeviceTensor(r))
+        if isinstance(r, torch.Tensor) and not isinstance(r, FakeDeviceTensor)
+        else r,
+        out,
+    )
+
+
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
+
+
+def _reshape_wrapper(x: FakeDeviceTensor) -> None:
+    """Give the wrapper ``x`` its inner tensor's new shape, keeping ``x``'s identity.
+
+    A wrapper subclass's sizes are fixed at creation; CUDA changes a tensor's sizes in
+    place (``resize_``, ``out=``). The same object is given a fresh wrapper's
+    ``TensorImpl`` (``torch._C._swap_tensor_impl``), so the caller's variable sees it.
+    """
+    fresh = FakeDeviceTensor(x._inner)
+    torch._C._swap_tensor_impl(x, fresh)
+
+
 def _returns_alias(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
@@ -271,14 +361,50 @@ def _data_set(self: torch.Tensor, new: torch.Tensor) -> None:
     """
     fake_self, fake_new = isinstance(self, FakeDeviceTensor), isinstance(new, FakeDeviceTensor)
     if fake_self != fake_new:
-        alias = new.detach()
-        if isinstance(self, torch.nn.Parameter):
-            alias = torch.nn.Parameter(alias, requires_grad=self.requires_grad)
-        torch.utils.swap_tensors(self, alias)
+        _rebind_across(self, new)
         return
     _TENSOR_DATA.__set__(self, new)
     if fake_self:
         self._inner = new._inner
+
+
+_HOST_CLASS = "_fakegpu_host_class"
+
+
+def _rebind_across(self: torch.Tensor, new: torch.Tensor) -> None:
+    """``self.data = new`` across host and ``fakegpu``, as ``set_data`` does on CUDA.
+
+    The object ``self`` keeps its identity, its attributes, Parameter-ness and
+    ``requires_grad``, and it works whoever else references ``self`` (a live autograd
+    graph, weakrefs from compiled code): the payload is exchanged at the ``TensorImpl``
+    level (``torch._C._swap_tensor_impl``), which, unlike ``torch.utils.swap_tensors``,
+    does not refuse shared tensors. References taken earlier (an autograd graph's saved
+    tensors) keep the old payload, as ``set_data`` leaves them the old storage on CUDA.
+    """
+    requires_grad = self.requires_grad
+    is_param = isinstance(self, torch.nn.Parameter)
+    attrs = {k: v for k, v in self.__dict__.items() if k not in ("_inner", _HOST_CLASS)}
+    if isinstance(self, FakeDeviceTensor):  # born on the device: its host class by kind
+        host_class = self.__dict__.get(
+            _HOST_CLASS, torch.nn.Parameter if is_param else torch.Tensor
+        )
+    else:
+        host_class = type(self)
+    with torch.inference_mode(False), torch.no_grad():
+        alias = new.detach()
+    torch._C._swap_tensor_impl(self, alias)
+    if isinstance(new, FakeDeviceTensor):
+        self.__class__ = FakeDeviceTensor
+        attrs["_inner"] = alias.__dict__["_inner"]
+        attrs[_HOST_CLASS] = host_class
+        attrs["_is_param"] = is_param
+    else:
+        self.__class__ = host_class
+        attrs.pop("_is_param", None)
+    self.__dict__.clear()
+    self.__dict__.update(attrs)
+    if self.requires_grad != requires_grad:
+        self.requires_grad_(requires_grad)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -321,7 +447,7 @@ def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
     key = out.untyped_storage().data_ptr()
     with _lock:
         _counters.pinned.add(key)
-    weakref.finalize(out, _unpin, key)
+    weakref.finalize(out.untyped_storage(), _unpin, key)
     return out
 
 
@@ -389,6 +515,20 @@ class _BackendModule:
     @staticmethod
     def empty_cache() -> None:
         return None
+
+    @staticmethod
+    def host_register(ptr: int, nbytes: int) -> bool:
+        """Simulated ``cudaHostRegister``: the storage at ``ptr`` now reports ``is_pinned()``."""
+        with _lock:
+            if ptr in _counters.pinned:
+                return False  # CUDA: cudaErrorHostMemoryAlreadyRegistered
+            _counters.pinned.add(ptr)
+        return True
+
+    @staticmethod
+    def host_unregister(ptr: int) -> None:
+        """Simulated ``cudaHostUnregister``."""
+        _unpin(ptr)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -1,0 +1,386 @@
+"""Residency of components: which tensors each component holds, and its all-or-nothing moves.
+
+``WeightTable`` owns every slot of one backend, keyed by tensor object, so a tensor shared
+by two components has one slot and one host copy. ``ComponentWeights`` is one pipeline
+component: its slots, its residency flag, and its transactional ``load`` / ``evict``.
+
+Structural changes are followed. Module attribute and registration changes (a
+Parameter replaced, a submodule added: LoRA layers) bump the owning component's
+``generation`` through torch's global registration hooks, so a hook sees a change in O(1)
+while the component is resident. Every load and eviction also rescans the component's
+tensors (it is O(tensors) anyway), which catches changes no hook reports (``del``,
+direct ``_parameters`` writes): new tensors are adopted (host copy, pinned), dropped ones
+released. A meta tensor is a ValueError naming the component and the tensor, raised
+before anything moves.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .transfer import Mover, TensorSlot, Transaction, payload_of
+
+__all__ = ["ComponentWeights", "WeightTable", "named_tensors"]
+
+
+def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every distinct parameter and buffer object of ``module`` with its first dotted name.
+
+    Persistent and non-persistent buffers are included; a tensor registered in several
+    places (tied weights) appears once, under its first name in ``named_modules`` order.
+    """
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for store in (sub._parameters, sub._buffers):
+            for name, t in store.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((f"{prefix}.{name}" if prefix else name, t))
+    return out
+
+
+# ----------------------------------------------------------------------------- generations
+
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[ComponentWeights]]" = (
+    weakref.WeakKeyDictionary()
+)
+_hooks_installed = False
+
+
+def _bump(module: nn.Module, name: str, value: Any) -> None:
+    owners = _OWNERS.get(module)
+    if owners:
+        for comp in owners:
+            comp.generation += 1
+
+
+def _install_registration_hooks() -> None:
+    """Bump generations on every parameter, buffer and submodule registration (once)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from torch.nn.modules import module as torch_module
+
+    torch_module.register_module_parameter_registration_hook(_bump)
+    torch_module.register_module_buffer_registration_hook(_bump)
+    torch_module.register_module_module_registration_hook(_bump)
+    _hooks_installed = True
+
+
+# ----------------------------------------------------------------------------- components
+
+
+class ComponentWeights:
+    """The tensors of one pipeline component and their residency (loads and evictions).
+
+    Args:
+        name: the component's name (e.g. ``"transformer"``), for messages and traces.
+        role: ``"dit"``, ``"text_encoder"``, ``"encoder"``, ``"vae"``, ``"resident"`` or
+            ``"part"``.
+        selected: True if the config selects this component for offload.
+        module: the component's module (held weakly).
+        table: the backend's ``WeightTable``.
+
+    Attributes:
+        slots: the component's slots (shared slots appear in every owner).
+        resident: True while the component's evictable tensors are on the device.
+        generation: bumped by structural changes of the module tree; ``synced`` is the
+            generation the slots reflect.
+        listeners: callables ``(event, component, seconds)`` told of loads and evictions.
+    """
+
+    def __init__(
+        self, name: str, role: str, selected: bool, module: nn.Module, table: "WeightTable"
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.selected = selected
+        self.module_ref = weakref.ref(module)
+        self.table = table
+        self.slots: list[TensorSlot] = []
+        self.resident = not selected
+        self.generation = 0
+        self.synced = 0
+        self.listeners: list[Callable[[str, "ComponentWeights", float], None]] = []
+
+    @property
+    def mover(self) -> Mover:
+        """The backend's mover."""
+        return self.table.mover
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the component's tensors (shared ones included)."""
+        return sum(s.nbytes for s in self.slots)
+
+    @property
+    def evictable_bytes(self) -> int:
+        """Bytes that leave the device when this component is evicted."""
+        return sum(s.nbytes for s in self.slots if s.evictable)
+
+    @property
+    def ready(self) -> bool:
+        """Resident with no structural change pending: nothing to do before it runs (O(1))."""
+        return self.resident and self.generation == self.synced
+
+    def _notify(self, event: str, seconds: float) -> None:
+        for listener in self.listeners:
+            listener(event, self, seconds)
+
+    def _register_modules(self) -> None:
+        module = self.module_ref()
+        if module is None:
+            return
+        for sub in module.modules():
+            owners = _OWNERS.get(sub)
+            if owners is None:
+                owners = _OWNERS[sub] = weakref.WeakSet()
+            owners.add(self)
+
+    def sync(self, txn: Transaction) -> None:
+        """Follow structural changes: adopt new tensors, release dropped ones.
+
+        Raises:
+            ValueError: a new tensor is on the meta device or on a foreign device; nothing
+                was changed.
+        """
+        module = self.module_ref()
+        if module is None:
+            return
+        generation = self.generation
+        current = named_tensors(module)
+        known = {id(m.obj) for s in self.slots for m in s.members}
+        fresh = [(n, t) for n, t in current if id(t) not in known]
+        ids = {id(t) for _, t in current}
+        dropped = [
+            s for s in self.slots if not any(id(m.obj) in ids for m in s.members)
+        ]
+        if fresh:
+            self.table.adopt({self.name: fresh}, txn)
+        for slot in dropped:
+            self.table.disown(self.name, slot, txn)
+        if fresh or dropped:
+            self._register_modules()
+        self.synced = generation
+
+    def load(self) -> int:
+        """Make every tensor of the component device-resident; return the H2D bytes.
+
+        All or nothing: on any exception (``KeyboardInterrupt`` included) every tensor
+        loaded by this call is put back on the host and its device copy freed at once.
+
+        Raises:
+            torch.OutOfMemoryError: the device cannot hold the component (named).
+            ValueError: a new tensor is a meta tensor (see ``sync``).
+        """
+        start = time.perf_counter()
+        mover = self.mover
+        txn = Transaction()
+        moved = 0
+        try:
+            self.sync(txn)
+            loaded = []
+            for slot in self.slots:
+                if slot.evictable:
+                    n = mover.load(slot, txn)
+                    if n:
+                        loaded.extend(slot.members)
+                    moved += n
+                elif not slot.on_device(mover.device):
+                    moved += mover.place(slot, txn)
+            if moved:
+                mover.platform.synchronize()
+            mover.record(loaded)
+        except torch.OutOfMemoryError as exc:
+            txn.rollback()
+            raise torch.OutOfMemoryError(
+                f"out of device memory while loading component {self.name!r} "
+                f"({self.nbytes} bytes): {exc}"
+            ) from exc
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
+        self.resident = True
+        if moved:
+            seconds = time.perf_counter() - start
+            mover.stats.loads += 1
+            mover.stats.transfer_seconds += seconds
+            self._notify("load", seconds)
+        return moved
+
+    def evict(self) -> int:
+        """Point every evictable tensor back at its host copy; return the tensors moved.
+
+        Unselected components never evict; tensors shared with resident components stay.
+        Unmodified tensors cost no copy; modified ones are written back first. All or
+        nothing, for any exception: on failure every tensor is resident as before.
+        """
+        if not self.selected or not self.resident:
+            return 0
+        start = time.perf_counter()
+        mover = self.mover
+        txn = Transaction()
+        try:
+            self.sync(txn)
+            on_device = [s for s in self.slots if s.evictable and s.on_device(mover.device)]
+            mover.evict(on_device, txn)
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
+        for slot in on_device:
+            for m in slot.members:
+                m.fp = None
+        self.resident = False
+        if on_device:
+            seconds = time.perf_counter() - start
+            mover.stats.evictions += 1
+            mover.stats.transfer_seconds += seconds
+            self._notify("evict", seconds)
+        return len(on_device)
+
+    def __repr__(self) -> str:
+        state = "resident" if self.resident else "host"
+        return f"ComponentWeights({self.name!r}, role={self.role!r}, {state})"
+
+
+class WeightTable:
+    """Every slot of one backend, keyed by tensor object; the components that own them.
+
+    Args:
+        mover: the backend's mover.
+        shared_evictable: whether a tensor held by several selected components may be
+            evicted (the backend: yes, it follows whichever owner runs); ``PartSwitcher``
+            keeps tensors shared between parts resident.
+    """
+
+    def __init__(self, mover: Mover, shared_evictable: bool = True) -> None:
+        self.mover = mover
+        self.shared_evictable = shared_evictable
+        self.components: dict[str, ComponentWeights] = {}
+        self._slot_of: dict[int, TensorSlot] = {}
+
+    def add(self, name: str, role: str, selected: bool, module: nn.Module) -> ComponentWeights:
+        """Register a component (no tensor is adopted until ``adopt``)."""
+        _install_registration_hooks()
+        comp = ComponentWeights(name, role, selected, module, self)
+        self.components[name] = comp
+        return comp
+
+    def slot_of(self, t: torch.Tensor) -> TensorSlot | None:
+        """The slot that manages tensor object ``t``, or None."""
+        return self._slot_of.get(id(t))
+
+    def check_tensors(self, named: dict[str, list[tuple[str, torch.Tensor]]]) -> None:
+        """Reject meta tensors and tensors on foreign devices, before anything moves.
+
+        Raises:
+            ValueError: naming the component, the tensor and its device.
+        """
+        device = self.mover.device
+        for comp, tensors in named.items():
+            for tname, t in tensors:
+                p = payload_of(t)
+                if p.is_meta:
+                    raise ValueError(
+                        f"component {comp!r}: tensor {tname!r} {tuple(p.shape)} is on the meta "
+                        "device (never materialized); load its weights before enabling offload"
+                    )
+                if p.device.type != "cpu" and (
+                    p.device.type != device.type or (p.device.index or 0) != (device.index or 0)
+                ):
+                    raise ValueError(
+                        f"component {comp!r}: tensor {tname!r} is on {p.device}; offload to "
+                        f"{device} handles tensors on the host or on {device} only"
+                    )
+
+    def adopt(
+        self, named: dict[str, list[tuple[str, torch.Tensor]]], txn: Transaction
+    ) -> None:
+        """Give the components in ``named`` these tensors (new ones get slots and host copies).
+
+        A tensor already managed (shared with another component) gains an owner; a slot is
+        evictable only when every owner is selected. New evictable tensors get host copies
+        (pinned when allowed); new non-evictable ones are placed on the device.
+        """
+        self.check_tensors(named)
+        owners: dict[int, set[str]] = {}
+        objs: dict[int, torch.Tensor] = {}
+        for comp, tensors in named.items():
+            for _, t in tensors:
+                owners.setdefault(id(t), set()).add(comp)
+                objs[id(t)] = t
+        touched: list[TensorSlot] = []
+        new_ev, new_fixed = [], []
+        for key, t in objs.items():
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                self._own(slot, owners[key], txn)
+                touched.append(slot)
+            elif self._evictable(owners[key]):
+                new_ev.append(t)
+            else:
+                new_fixed.append(t)
+        for evictable, group in ((True, new_ev), (False, new_fixed)):
+            for slot in self.mover.group(group, txn, evictable):
+                for m in slot.members:
+                    self._slot_of[id(m.obj)] = slot
+                txn.on_rollback(lambda s=slot: self._forget(s))
+                self._own(slot, set().union(*(owners[id(m.obj)] for m in slot.members)), txn)
+                if not evictable:
+                    self.mover.place(slot, txn)
+        for slot in touched:
+            if slot.evictable and not self._evictable(slot.owners):
+                slot.evictable = False
+                txn.on_rollback(lambda s=slot: setattr(s, "evictable", True))
+
+    def _evictable(self, owners: set[str]) -> bool:
+        if len(owners) > 1 and not self.shared_evictable:
+            return False
+        return all(self.components[n].selected for n in owners)
+
+    def _own(self, slot: TensorSlot, names: Iterable[str], txn: Transaction) -> None:
+        for name in names:
+            if name in slot.owners:
+                continue
+            slot.owners.add(name)
+            comp = self.components[name]
+            comp.slots.append(slot)
+
+            def undo(slot: TensorSlot = slot, name: str = name, comp: ComponentWeights = comp) -> None:
+                slot.owners.discard(name)
+                comp.slots.remove(slot)
+
+            txn.on_rollback(undo)
+
+    def _forget(self, slot: TensorSlot) -> None:
+        for m in slot.members:
+            if self._slot_of.get(id(m.obj)) is slot:
+                del self._slot_of[id(m.obj)]
+
+    def disown(self, name: str, slot: TensorSlot, txn: Transaction) -> None:
+        """Component ``name`` no longer holds ``slot``; a slot nobody holds is released."""
+        comp = self.components[name]
+        comp.slots.remove(slot)
+        slot.owners.discard(name)
+        if not slot.owners:
+            self._forget(slot)
+            self.mover.release(slot)
+
+        def undo() -> None:
+            if not slot.owners:
+                for m in slot.members:
+                    self._slot_of[id(m.obj)] = slot
+                self.mover.unrelease(slot)
+            slot.owners.add(name)
+            comp.slots.append(slot)
+
+        txn.on_rollback(undo)
