@@ -109,10 +109,11 @@ def _bad_cases(root: Path, read_only: Path | None, need_full: int) -> dict[str, 
         ),
         "output_folder_missing": Case(
             [*flux, "--output", "{out}/missing/out.png", "--report", "{out}/report.json"],
-            ["'{out}/missing/out.png'", "does not exist"],
+            ["--output", "'{out}/missing/out.png'", "does not exist"],
         ),
         "unknown_output_extension": Case(
-            [*flux, "--output", "{out}/out.jpg", "--report", "{out}/report.json"], ["unknown extension '.jpg'"]
+            [*flux, "--output", "{out}/out.jpg", "--report", "{out}/report.json"],
+            ["--output", "out.jpg' must end in .png or .mp4 or .gif"]
         ),
         "video_extension_for_image_model": Case(
             [*flux, "--output", "{out}/out.mp4", "--report", "{out}/report.json"], ["produces an image", ".png"]
@@ -145,10 +146,54 @@ def _bad_cases(root: Path, read_only: Path | None, need_full: int) -> dict[str, 
             [*flux, "--output", "{out}/out.png", "--report", "{out}/x.json", "--trace", "{out}/x.json"],
             ["--report and --trace name the same file"],
         ),
-        "seed_too_large": Case([*flux, "--seed", str(2**64), *out_png], ["seed must be < 2**63"]),
+        "seed_too_large": Case(
+            [*flux, "--seed", str(2**64), *out_png],
+            [f"--seed: must be an integer from 0 to {2**63 - 1}, got '{2**64}'"],
+        ),
         "device_not_available": Case([*flux, "--device", "cuda", *out_png], ["'cuda' is not available"]),
-        "height_not_a_multiple": Case(  # Wan's own input check, raised inside the pipeline call
-            ["--device", "cpu", "--height", "33", "--output", "{out}/out.mp4"], ["divisible by 16"],
+        "height_not_a_multiple": Case(  # checked from the model's config files, before it loads
+            ["--device", "cpu", "--height", "33", "--output", "{out}/out.mp4"],
+            ["--height 33 is not allowed by WanPipeline: it must be a multiple of 16", "e.g. 32 or 48"],
+        ),
+        "width_not_a_multiple_flux": Case(  # tiny Flux: VAE scale 2 x packed 2x2 patches = 4
+            [*flux, "--width", "30", *out_png], ["--width 30 is not allowed by FluxPipeline", "multiple of 4"],
+        ),
+        "steps_negative": Case([*flux, "--steps", "-3", *out_png], ["--steps: must be an integer >= 1, got '-3'"]),
+        "fps_zero": Case(["--fps", "0", "--output", "{out}/out.mp4"], ["--fps: must be an integer from 1 to 240"]),
+        "output_exists": Case(
+            [*flux, "--output", "{root}/existing.png"], ["--output", "existing.png' already exists", "--overwrite"]
+        ),
+        "report_inside_model_folder": Case(
+            [*flux, "--output", "{out}/o.png", "--report", "{root}/flux/transformer/config.json", "--overwrite"],
+            ["--report", "is inside the model folder"],
+        ),
+        "output_inside_model_folder": Case(
+            [*flux, "--output", "{root}/flux/new.png"], ["--output", "is inside the model folder"]
+        ),
+        "truncated_length_prefix": Case(
+            ["--model", "{root}/cut-prefix", "--device", "fakegpu", *out_png],
+            ["weight file '{root}/cut-prefix/transformer/diffusion_pytorch_model.safetensors' cannot be read: "
+             "truncated or corrupt"],
+        ),
+        "truncated_header": Case(
+            ["--model", "{root}/cut-header", "--device", "fakegpu", *out_png],
+            ["weight file '{root}/cut-header/transformer/", "truncated or corrupt"],
+        ),
+        "truncated_data": Case(
+            ["--model", "{root}/cut-data", "--device", "fakegpu", *out_png],
+            ["weight file '{root}/cut-data/transformer/", "truncated or corrupt"],
+        ),
+        "variant_missing": Case(
+            [*flux, "--variant", "bf16", *out_png], ["variant 'bf16': no weight files of this variant"]
+        ),
+        "max_pinned_memory_bad_unit": Case(
+            [*flux, "--max-pinned-memory", "12XB", *out_png], ["--max-pinned-memory: '12XB' is not a size"]
+        ),
+        "from_report_missing": Case(
+            ["--from-report", "{out}/nothing.json", *out_png], ["--from-report", "does not exist"]
+        ),
+        "from_report_not_a_report": Case(
+            ["--from-report", "{root}/full.json", *out_png], ["--from-report", "is not a diffusion-offload report"]
         ),
         "num_frames_not_allowed": Case(
             ["--device", "cpu", "--num-frames", "2", "--output", "{out}/out.mp4"],
@@ -221,6 +266,12 @@ def runs(tmp_path_factory):
     (root / "not-a-pipeline" / "config.json").write_text("{}")
     _write_index(root / "wan-i2v", {"_class_name": "WanImageToVideoPipeline", "_diffusers_version": "0.42.0"})
     (root / "full.json").write_text(FULL_JSON)
+    data = (root / "flux" / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    for name, cut in (("cut-prefix", 4), ("cut-header", 8 + header // 2),
+                      ("cut-data", 8 + header + (len(data) - 8 - header) // 2)):
+        shutil.copytree(root / "flux", root / name)
+        (root / name / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(data[:cut])
     need_full = footprint(inspect_model(root / "flux"), parse_diffusion_offload_config(FULL), 4, True).device_bytes
     read_only = _read_only_folder(root, cleanups)
 
@@ -242,11 +293,34 @@ def runs(tmp_path_factory):
         env={"DIFFUSION_OFFLOAD_FAKE_CAPACITY": str(need_full + 1024)},
     ))
     jobs["make_tiny/sd3"] = ("make-tiny", Case(["sd3", "{out}/tiny-sd3"], entry_point=True))
-    jobs["make_tiny/bad_kind"] = ("make-tiny", Case(["sdxl", "{out}/tiny-sdxl"], ["kind 'sdxl' is not allowed"]))
+    jobs["make_tiny/flux"] = ("make-tiny", Case(["flux", "{out}/tiny-flux"]))
+    jobs["make_tiny/bad_kind"] = ("make-tiny", Case(["sdxl", "{out}/tiny-sdxl"], ["invalid choice: 'sdxl'"]))
     precious = root / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    jobs["make_tiny/refuses_foreign_folder"] = ("make-tiny", Case(["flux", str(precious)], ["refusing to replace"]))
+    jobs["make_tiny/refuses_foreign_folder"] = ("make-tiny", Case(["flux", str(precious)], ["is not empty", "--overwrite"]))
+    jobs["make_tiny/refuses_foreign_folder_with_overwrite"] = (
+        "make-tiny", Case(["flux", str(precious), "--overwrite"], ["refusing to replace", "not written by make-tiny"])
+    )
+    jobs["make_tiny/refuses_own_folder_without_overwrite"] = (
+        "make-tiny", Case(["flux", "{root}/flux"], ["is not empty", "--overwrite"])
+    )
+    shutil.copytree(root / "flux", root / "flux-again")
+    jobs["make_tiny/replaces_own_folder_with_overwrite"] = (
+        "make-tiny", Case(["sd3", "{root}/flux-again", "--overwrite"])
+    )
+    (root / "existing.png").write_bytes(b"precious photo")
+    (root / "photo.png").write_bytes(b"precious photo")
+    jobs["good/overwrite"] = ("generate", Case([
+        "--model", "{root}/flux", "--device", "cpu", "--output", "{root}/photo.png", "--overwrite"]))
+    variant = shutil.copytree(root / "flux", root / "flux-variant")
+    for comp, stem in (("transformer", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"),
+                       ("text_encoder", "model"), ("text_encoder_2", "model")):
+        shutil.copy(variant / comp / f"{stem}.safetensors", variant / comp / f"{stem}.fp16.safetensors")
+    jobs["good/variant"] = ("generate", Case(
+        ["--model", "{root}/flux-variant", "--variant", "fp16", "--device", "fakegpu",
+         "--diffusion-offload-config", FULL_JSON, "--output", "{out}/v.png", "--report", "{out}/report.json"],
+    ))
     order = sorted(jobs, key=lambda n: not n.startswith("good/"))  # the slow ones first
     try:
         with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
@@ -256,6 +330,7 @@ def runs(tmp_path_factory):
             }
             results = {n: f.result() for n, f in futures.items()}
         results["read_only_available"] = read_only is not None
+        results["inputs"] = root
         yield results
     finally:
         for cleanup in cleanups:
@@ -269,7 +344,10 @@ BAD = [
     "video_extension_for_image_model", "image_extension_for_video_model", "config_does_not_fit",
     "bad_dtype", "num_frames_for_image_model", "config_json_string", "config_duplicate_key",
     "config_file_is_a_folder", "report_and_trace_same_file", "seed_too_large", "device_not_available",
-    "height_not_a_multiple", "num_frames_not_allowed",
+    "height_not_a_multiple", "num_frames_not_allowed", "width_not_a_multiple_flux", "steps_negative",
+    "fps_zero", "output_exists", "report_inside_model_folder", "output_inside_model_folder",
+    "truncated_length_prefix", "truncated_header", "truncated_data", "variant_missing",
+    "max_pinned_memory_bad_unit", "from_report_missing", "from_report_not_a_report",
 ]
 
 
@@ -382,6 +460,7 @@ def test_png_of_requested_size(runs):
 def test_make_tiny(runs):
     result = runs["make_tiny/sd3"]
     assert result["returncode"] == 0, result["stderr"]
+    assert result["stderr"] == ""  # no library warnings, no weight-writing bars
     target = result["out"] / "tiny-sd3"
     assert result["stdout"].strip() == str(target)
     info = inspect_model(target)
@@ -399,6 +478,111 @@ def test_make_tiny_refuses_a_foreign_folder(runs):
 def test_make_tiny_bad_kind(runs):
     result = runs["make_tiny/bad_kind"]
     line = _check_one_error_line(result)
+    assert "kind: invalid choice: 'sdxl'" in line
     for kind in tiny_pipelines.KINDS:
         assert repr(kind) in line
     assert sorted(p.name for p in result["out"].iterdir()) == []
+
+
+def test_make_tiny_is_quiet(runs):
+    """Building Flux (CLIP image processor, weight-writing bars) prints only the folder."""
+    result = runs["make_tiny/flux"]
+    assert result["returncode"] == 0, result["stderr"]
+    assert result["stderr"] == ""
+    assert result["stdout"].strip() == str(result["out"] / "tiny-flux")
+
+
+def test_make_tiny_non_empty_folders(runs):
+    """Any non-empty folder needs --overwrite; even then only a folder make-tiny wrote."""
+    _check_one_error_line(runs["make_tiny/refuses_foreign_folder"])
+    _check_one_error_line(runs["make_tiny/refuses_foreign_folder_with_overwrite"])
+    _check_one_error_line(runs["make_tiny/refuses_own_folder_without_overwrite"])
+    result = runs["make_tiny/replaces_own_folder_with_overwrite"]
+    assert result["returncode"] == 0, result["stderr"]
+    target = Path(result["stdout"].strip())
+    assert inspect_model(target).pipeline_class == "StableDiffusion3Pipeline"
+    assert tiny_pipelines.kind_of(target) == "sd3"
+
+
+def test_overwrite_replaces_the_output(runs):
+    result = runs["good/overwrite"]
+    assert result["returncode"] == 0, result["stderr"]
+    inputs = runs["inputs"]
+    assert (inputs / "photo.png").read_bytes().startswith(b"\x89PNG")
+    assert list(inputs.glob(".photo.png*")) == []  # the temporary file was renamed into place
+    assert (inputs / "existing.png").read_bytes() == b"precious photo"  # refused without --overwrite
+
+
+def test_variant_fit_and_generation(runs):
+    """*.fp16.safetensors next to the plain files: the fit check counts one set (plain or
+    variant, as diffusers loads them), and --variant fp16 loads the variant's files."""
+    from diffusion_offload.engine.model_files import weight_files
+
+    inputs = runs["inputs"]
+    plain, both = inspect_model(inputs / "flux"), inspect_model(inputs / "flux-variant")
+    assert both.numels == plain.numels
+    assert inspect_model(inputs / "flux-variant", "fp16").numels == plain.numels
+    files = weight_files(inputs / "flux-variant", "fp16")
+    assert [p.name for p in files["transformer"]] == ["diffusion_pytorch_model.fp16.safetensors"]
+    assert [p.name for p in weight_files(inputs / "flux-variant")["transformer"]] == [
+        "diffusion_pytorch_model.safetensors"]
+    result = runs["good/variant"]
+    assert result["returncode"] == 0, result["stderr"]
+    report = json.loads((result["out"] / "report.json").read_text())
+    assert report["request"]["variant"] == "fp16"
+
+
+def test_table_uses_human_units_and_counts_load(runs):
+    result = runs["good/png_flux"]
+    err = result["stderr"]
+    assert "time load" in err and "time total (load included)" in err
+    peak = err.split("peak device memory")[1].split("\n")[0].strip(" │")
+    h2d = err.split("host->device weights")[1].split("\n")[0].strip(" │")
+    assert peak.endswith(("KiB", "MiB", "GiB")) and "," not in peak, peak
+    assert h2d.endswith(("KiB", "MiB", "GiB")) and "," not in h2d, h2d
+    report = json.loads((result["out"] / "report.json").read_text())
+    timings = report["timings"]
+    parts = sum(v for k, v in timings.items() if k != "total")
+    assert timings["total"] == pytest.approx(parts)
+    assert timings["total"] >= timings["load"] > 0
+
+
+def test_generate_is_quiet(runs):
+    """No library warnings or loading bars, whatever the command (the denoising bar stays)."""
+    for name in ("good/png_flux", "good/variant", "good/mp4_embedded_default"):
+        err = runs[name]["stderr"]
+        for noise in ("Loading pipeline components", "Loading weights", "torchvision", "Warning", "warn("):
+            assert noise not in err, f"{name}: {noise!r} in {err!r}"
+
+
+def test_report_records_the_full_request(runs):
+    report = json.loads((runs["good/png_flux"]["out"] / "report.json").read_text())
+    request = report["request"]
+    assert request["prompt"] == "a red fox running through fresh snow"
+    assert request["negative_prompt"] == "blurry"
+    assert (request["height"], request["width"], request["num_inference_steps"], request["seed"]) == (32, 48, 2, 0)
+    assert request["device"] == "fakegpu:0" and request["dtype"] == "float32"
+    assert parse_diffusion_offload_config(request["diffusion_offload_config"]) == parse_diffusion_offload_config(FULL)
+    assert Path(request["model"]).is_absolute()
+    assert set(report["versions"]) == {"diffusion_offload", "torch", "diffusers"}
+
+
+def test_from_report_reproduces_the_video(runs, tmp_path):
+    """generate --from-report report.json gives the same frames as the recorded run."""
+    import imageio.v2 as imageio
+
+    first = runs["good/mp4_embedded_default"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSION_OFFLOAD_")}
+    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    again = tmp_path / "again.mp4"
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffusion_offload", "generate", "--from-report",
+         str(first["out"] / "report.json"), "--output", str(again)],
+        capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    original = np.stack(imageio.mimread(first["out"] / "video.mp4"))
+    repeated = np.stack(imageio.mimread(again))
+    assert original.shape == repeated.shape == (5, 32, 48, 3)
+    assert np.array_equal(original, repeated)
+    assert (first["out"] / "video.mp4").read_bytes() == again.read_bytes()

@@ -303,7 +303,8 @@ def _generate(args: argparse.Namespace) -> int:
         report = {
             "format": REPORT_FORMAT,
             "request": {
-                "model": args.model if args.model is not None else None,
+                # a local folder as an absolute path, so the report works from anywhere
+                "model": str(model_dir.resolve()) if embedded or Path(args.model).is_dir() else args.model,
                 "variant": args.variant,
                 "prompt": prompt_text,
                 "negative_prompt": args.negative_prompt,
@@ -317,7 +318,7 @@ def _generate(args: argparse.Namespace) -> int:
                 "output": str(out_path),
             },
             "model": args.model or str(model_dir),
-            "model_path": str(model_dir),
+            "model_path": str(model_dir.resolve()),
             "pipeline_class": info.pipeline_class,
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),

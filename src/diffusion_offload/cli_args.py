@@ -337,13 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_libraries() -> None:
+def quiet_libraries(heavy: bool = True) -> None:
     """Silence library chatter that does not concern the user, the same way in every command:
     transformers/diffusers/huggingface_hub warnings below error level, their loading and
     saving progress bars, and Python warnings raised inside those libraries and torch.
 
     Environment variables are set first (``setdefault``, so a user's own choice wins) so
-    that libraries imported later start quiet; libraries already imported are set directly.
+    that libraries imported later start quiet; with ``heavy`` (the command is about to
+    load a model anyway) diffusers' and transformers' own switches are set too, which
+    imports them. The pipeline's denoising progress bar is not a loading bar and stays.
     """
     import logging
     import os
@@ -358,13 +360,11 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
     for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    if "diffusers" in sys.modules:
+    if heavy:
         from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
 
         diffusers_logging.set_verbosity_error()
         diffusers_logging.disable_progress_bar()
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as transformers_logging
-
         transformers_logging.set_verbosity_error()
         transformers_logging.disable_progress_bar()

@@ -45,7 +45,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from .metrics import MetricsMiddleware
-from .middleware import GuardMiddleware
+from .middleware import GuardMiddleware, InternalErrorMiddleware
 from .routes import add_routes
 from .state import ServerSettings, ServerState
 
@@ -79,6 +79,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="diffusion-offload", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     add_routes(app, state)
+    app.add_middleware(InternalErrorMiddleware)
     if settings.allowed_origins:  # CORS answers (and preflights) for the allowed origins only
         from starlette.middleware.cors import CORSMiddleware
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,7 +27,9 @@ from urllib.parse import urlsplit
 from .errors import APIError
 from .state import ServerState
 
-__all__ = ["GuardMiddleware"]
+__all__ = ["GuardMiddleware", "InternalErrorMiddleware"]
+
+logger = logging.getLogger("diffusion_offload.server")
 
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -197,3 +201,43 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class InternalErrorMiddleware:
+    """An unexpected exception answers 500 with a generic message and a request id
+    (``X-Request-ID``); the exception and its traceback go only to the server log.
+
+    Handled here rather than by Starlette's outermost error middleware, which re-raises
+    into the server (logged twice, and the connection is dropped).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Run the app; turn an exception into the generic 500 if nothing was sent yet."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            request_id = f"req_{secrets.token_hex(8)}"
+            logger.error("request %s: unexpected error on %s %s", request_id,
+                         scope.get("method"), scope.get("path"), exc_info=exc)
+            if started:
+                return
+            await APIError(
+                500,
+                f"Internal server error (request id {request_id}); the server log has the details.",
+                code="internal_error",
+                headers={"X-Request-ID": request_id},
+            ).response()(scope, receive, send)
