@@ -218,10 +218,13 @@ def safetensors_numels(files: list[Path]) -> dict[str, int]:
                         numel *= int(dim)
                     dtype = str(piece.get_dtype())
                     out[dtype] = out.get(dtype, 0) + numel
-        except Exception as exc:  # SafetensorError, OSError, ...
-            reason = " ".join(str(exc).split()) or type(exc).__name__
-            if "incomplete metadata" in reason or "too small" in reason or "header length" in reason:
-                reason = f"truncated or corrupt ({reason})"
+        except OSError as exc:
+            raise ModelError(
+                f"weight file {str(file)!r} cannot be read: {exc.strerror or exc}"
+            ) from None
+        except Exception as exc:  # SafetensorError: a bad header or a size mismatch
+            detail = " ".join(str(exc).split()).removeprefix("Error while deserializing header: ")
+            reason = f"truncated or corrupt ({detail or type(exc).__name__})"
             raise ModelError(
                 f"weight file {str(file)!r} cannot be read: {reason}; download the model again"
             ) from None
