@@ -1113,4 +1113,6 @@ def test_sigterm_graceful_shutdown(model_dirs: dict[str, Path], tmp_path: Path) 
     assert f"job {long_job['id']} marked failed" in err, err
     assert queued["status"] == "queued"
     assert "Traceback" not in err, err
+    for noise in ("Loading pipeline components", "Loading weights", "torchvision", "it/s]"):
+        assert noise not in err, f"serve printed {noise!r}: {err}"  # quiet loading, as generate
     assert list(tmpdir.iterdir()) == [], "temporary files left behind"
