@@ -430,7 +430,10 @@ def test_mp4_report_and_trace(runs):
     assert all(v >= 0 for v in report["timings"].values())
     assert report["peak_device_memory_bytes"] > 0
     stats = report["offload_stats"]
-    assert set(stats) == {"h2d_bytes", "d2h_bytes", "loads", "evictions", "transfer_seconds"}
+    assert set(stats) == {
+        "h2d_bytes", "d2h_bytes", "loads", "evictions", "transfer_seconds", "fingerprint_bytes",
+        "fingerprints", "pinned_bytes", "pageable_host_bytes",
+    }
     assert stats["loads"] == 2 and stats["h2d_bytes"] > 0  # transformer, then transformer_2
 
     trace = json.loads((out / "trace.json").read_text())

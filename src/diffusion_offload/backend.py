@@ -162,9 +162,12 @@ class ModelLevelOffloadBackend:
     def disable(self) -> None:
         """Remove every hook this backend installed; tensors stay where they are.
 
+        All or nothing: if a removal raises (any exception, ``KeyboardInterrupt``
+        included), the hooks already removed are installed again, the backend stays
+        enabled and working, and calling ``disable`` again does the whole job.
+
         Raises:
-            Exception: whatever a hook removal raised; the backend then stays enabled
-                and calling ``disable`` again removes the remaining hooks.
+            BaseException: whatever a hook removal raised.
         """
         with self.lock:
             if not self._enabled:
@@ -172,9 +175,16 @@ class ModelLevelOffloadBackend:
             if self._delegate is not None:
                 self._delegate.disable_omni_model_cpu_offload()
                 self._delegate = None
-            while self._handles:
-                self._handles[-1].remove()
-                self._handles.pop()
+            removed: list[HookHandle] = []
+            try:
+                for handle in reversed(self._handles):
+                    handle.remove()
+                    removed.append(handle)
+            except BaseException:
+                for handle in reversed(removed):
+                    handle.reinstall()
+                raise
+            self._handles = []
             self.components = {}
             self.modules = {}
             self._pipeline_ref = None

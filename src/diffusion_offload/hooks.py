@@ -266,12 +266,19 @@ class HookHandle:
         self.hook_children()
         _REGISTRY[module] = weakref.ref(self)
 
+    def reinstall(self) -> None:
+        """Install again after ``remove`` (a rolled-back ``disable``)."""
+        self.active = True
+        if self.module_ref() is not None:
+            self.install()
+
     def remove(self) -> None:
         """Uninstall: restore each wrapper if ours is outermost, else become a pass-through."""
         module = self.module_ref()
         self.active = False
         while self._child_handles:
             self._child_handles.pop().remove()
+        self._hooked_children = weakref.WeakSet()
         if module is None:
             return
         for attr, previous in self._saved.items():

@@ -52,6 +52,7 @@ __all__ = [
     "TransferStats",
     "collect_tensors",
     "fingerprint",
+    "fingerprints",
     "payload_of",
 ]
 
@@ -175,10 +176,11 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
 
     The ``n`` words (the bytes read as integers of the element's width) are viewed as
     rows of ``isqrt(n)`` words, so the temporaries are about ``48 * sqrt(n)`` bytes of
-    device memory (400 KiB for a 70 M-element weight); the fingerprint is ``sum_i r_i*a_i + sum_j c_j*b_j + sum_k t_k*d_k``
-    modulo 2**64, where ``r`` are the row sums, ``c`` the column sums, ``t`` the tail
-    words, ``a`` and ``d`` odd and ``b`` even position-dependent multipliers. The sums
-    are reductions with a 64-bit accumulator, so no full-size temporary is made.
+    device memory (400 KiB for a 70 M-element weight); the fingerprint is
+    ``sum_i r_i*a_i + sum_j c_j*b_j + sum_k t_k*d_k`` modulo 2**64, where ``r`` are the
+    row sums, ``c`` the column sums, ``t`` the tail words, ``a`` and ``d`` odd and ``b``
+    even position-dependent multipliers. The sums are reductions with a 64-bit
+    accumulator, so no full-size temporary is made.
 
     A change of one word always changes the fingerprint (its coefficient, odd + even or
     odd, is invertible modulo 2**64), as does any change confined to one row or one
@@ -205,6 +207,55 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     if tail.numel():
         acc += (tail.to(torch.int64) * _mix(rows * k, tail.numel(), _K1, dev).bitwise_or_(1)).sum()
     return acc
+
+
+SMALL_WORDS = 1 << 16
+"""Tensors of at most this many words are fingerprinted together, in batches of up to
+``BATCH_WORDS`` words (a few device ops per batch instead of a dozen per tensor)."""
+BATCH_WORDS = 1 << 22
+
+
+def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The fingerprints of ``tensors`` (all on one device), as one ``int64`` tensor ``(N,)``.
+
+    Large tensors go through ``fingerprint``. Small ones (``SMALL_WORDS`` words or fewer)
+    are batched: their words are concatenated (a temporary of 8 bytes per word, at most
+    ``BATCH_WORDS`` words), weighted by odd multipliers of the word's index within its
+    tensor and summed per tensor modulo 2**64, so any change of one word is seen. A
+    tensor's fingerprint depends only on its own bytes and size class, not on the batch.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    dev = tensors[0].device
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batch: list[tuple[int, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal batch, size
+        if not batch:
+            return
+        words = torch.cat([w.to(torch.int64) for _, w in batch])
+        local = torch.cat([torch.arange(w.numel(), device=dev) for _, w in batch])
+        local.mul_(_K1).add_(_K1)
+        local.bitwise_xor_(local >> 31).mul_(_K3)
+        local.bitwise_xor_(local >> 29).mul_(_K1).bitwise_or_(1)
+        parts = torch.split(words.mul_(local), [w.numel() for _, w in batch])
+        for (i, w), part in zip(batch, parts):
+            out[i] = part.sum() + w.numel()  # + length: empty and all-zero tensors differ
+        batch, size = [], 0
+
+    for i, t in enumerate(tensors):
+        w = _words(t)
+        if w.numel() > SMALL_WORDS:
+            out[i] = fingerprint(t)
+            continue
+        if size + w.numel() > BATCH_WORDS:
+            flush()
+        batch.append((i, w))
+        size += w.numel()
+    flush()
+    return torch.stack(out)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- slots
@@ -553,7 +604,7 @@ class Mover:
         if not members:
             return []
         with torch.inference_mode(False), torch.no_grad():
-            fps = torch.stack([fingerprint(m.payload) for m in members]).cpu().tolist()
+            fps = fingerprints([m.payload for m in members]).cpu().tolist()
         self.stats.fingerprint_bytes += sum(m.nbytes for m in members)
         self.stats.fingerprints += len(members)
         return fps

@@ -48,10 +48,12 @@ __all__ = [
     "FakeDeviceTensor",
     "install",
     "is_installed",
+    "live_storages",
     "reset_peak",
     "reset_stats",
     "set_capacity",
     "stats",
+    "storage_key",
     "synchronize",
 ]
 
@@ -441,6 +443,26 @@ def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False
     return dst
 
 
+@torch.compiler.disable
+def _arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    """``aten::arange.start_step`` (and ``.start``): PyTorch's composite fills an empty
+    tensor through ``arange.out``, whose resize a wrapper tensor cannot show (its sizes
+    are fixed at creation); build the result whole."""
+    return FakeDeviceTensor(torch.arange(start, end, step, dtype=dtype))
+
+
+@torch.compiler.disable
+def _arange_end(end, dtype=None, layout=None, device=None, pin_memory=None):
+    """``aten::arange``: see ``_arange``."""
+    return FakeDeviceTensor(torch.arange(end, dtype=dtype))
+
+
+@torch.compiler.disable
+def _linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
+    """``aten::linspace``, built whole for the same reason as ``_arange``."""
+    return FakeDeviceTensor(torch.linspace(start, end, steps, dtype=dtype))
+
+
 def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
     out = torch.empty_like(self, memory_format=torch.preserve_format)
     out.copy_(self)
@@ -564,6 +586,10 @@ def install() -> torch.device:
         dev_lib.impl("empty.memory_format", _empty_memory_format)
         dev_lib.impl("empty_strided", _empty_strided)
         dev_lib.impl("_copy_from", _copy_from)
+        dev_lib.impl("arange", _arange_end)
+        dev_lib.impl("arange.start", _arange)
+        dev_lib.impl("arange.start_step", _arange)
+        dev_lib.impl("linspace", _linspace)
         cpu_lib = torch.library.Library("aten", "IMPL", "CPU")
         cpu_lib.impl("_pin_memory", _pin_memory)
         cpu_lib.impl("is_pinned", _is_pinned)
@@ -598,6 +624,28 @@ def stats() -> dict[str, int]:
             "synchronizes": _counters.synchronizes,
             "capacity": -1 if _counters.capacity is None else _counters.capacity,
         }
+
+
+def live_storages() -> dict[int, int]:
+    """The device storages alive now: ``{storage key: nbytes}``.
+
+    The key is ``tensor._inner.untyped_storage()._cdata`` of any ``fakegpu`` tensor
+    viewing it (``storage_key``). Tests use it to prove that exactly a given set of
+    tensors is resident: nothing else allocated is left behind.
+    """
+    with _lock:
+        return {k: v[1] for k, v in _counters.storages.items()}
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key of ``live_storages`` for the ``fakegpu`` tensor ``t``.
+
+    Raises:
+        TypeError: ``t`` is not on the fake device.
+    """
+    if not isinstance(t, FakeDeviceTensor):
+        raise TypeError(f"storage_key takes a {DEVICE_TYPE} tensor, got one on {t.device}")
+    return t._inner.untyped_storage()._cdata
 
 
 def reset_stats() -> None:
