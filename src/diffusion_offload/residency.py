@@ -168,7 +168,9 @@ class ComponentWeights:
             self.table.disown(self.name, slot, txn)
         if fresh or dropped:
             self._register_modules()
+        previous = self.synced
         self.synced = generation
+        txn.on_rollback(lambda: setattr(self, "synced", previous))
 
     def load(self) -> int:
         """Make every tensor of the component device-resident; return the H2D bytes.

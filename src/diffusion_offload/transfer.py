@@ -152,8 +152,9 @@ _K1, _K2, _K3 = -7046029254386353131, 0x632BE59BD9B4E019, -4658895280553007687
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat tensor of same-width integers (a copy only if non-contiguous)."""
-    x = t.detach()
+    """``t``'s bytes as a flat tensor of same-width integers (a copy only if non-contiguous).
+    Called with autograd off."""
+    x = t
     if x.is_complex():
         x = torch.view_as_real(x)
     if not x.is_contiguous():
@@ -171,6 +172,7 @@ def _mix(start: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
     return h
 
 
+@torch.no_grad()
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """A 64-bit fingerprint of ``t``'s bytes, computed where ``t`` lives.
 
@@ -215,6 +217,7 @@ SMALL_WORDS = 1 << 16
 BATCH_WORDS = 1 << 22
 
 
+@torch.no_grad()
 def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The fingerprints of ``tensors`` (all on one device), as one ``int64`` tensor ``(N,)``.
 

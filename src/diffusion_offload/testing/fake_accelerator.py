@@ -164,7 +164,6 @@ class FakeDeviceTensor(torch.Tensor):
     _inner: torch.Tensor
 
     @staticmethod
-    @torch.compiler.disable
     def __new__(cls, inner: torch.Tensor) -> "FakeDeviceTensor":
         out = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -219,8 +218,9 @@ def _device_kwarg_is_host(kwargs: dict) -> bool:
     return device is not None and torch.device(device).type != DEVICE_TYPE
 
 
-@torch.compiler.disable
 def _dispatch(func, args, kwargs):
+    """Run ``func`` on the inner host tensors (called from ``__torch_dispatch__``, which
+    is ``torch.compiler.disable``d: nothing here is traced)."""
     if func is _aten.copy_.default:
         dst, src = args[0], args[1]
         if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(src):
@@ -243,7 +243,10 @@ def _dispatch(func, args, kwargs):
         _count_copy("d2h", args[0].element_size())
         return func(_unwrap(args[0]))
 
-    flat, _ = pytree.tree_flatten((args, kwargs))
+    nested = any(isinstance(a, (list, tuple, dict)) for a in args) or any(
+        isinstance(v, (list, tuple, dict)) for v in kwargs.values()
+    )
+    flat = pytree.tree_flatten((args, kwargs))[0] if nested else [*args, *kwargs.values()]
     for x in flat:
         if _is_host_tensor(x) and x.dim() > 0 and x.device.type == "cpu":
             raise RuntimeError(
@@ -256,8 +259,12 @@ def _dispatch(func, args, kwargs):
 
     host_out = _device_kwarg_is_host(kwargs)
     inners = {id(x._inner): x for x in flat if isinstance(x, FakeDeviceTensor)}
-    u_args = pytree.tree_map(_unwrap, args)
-    u_kwargs = pytree.tree_map(_unwrap, kwargs)
+    if nested:
+        u_args = pytree.tree_map(_unwrap, args)
+        u_kwargs = pytree.tree_map(_unwrap, kwargs)
+    else:  # the common case, without pytree's overhead
+        u_args = tuple(_unwrap(a) for a in args)
+        u_kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
     if "device" in u_kwargs and not host_out and u_kwargs["device"] is not None:
         u_kwargs["device"] = torch.device("cpu")
     out = func(*u_args, **u_kwargs)
@@ -272,14 +279,19 @@ def _dispatch(func, args, kwargs):
             return FakeDeviceTensor(x)
         return x
 
+    def wrap_all(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return wrap(x)
+        return pytree.tree_map(wrap, x)
+
     if torch.is_inference_mode_enabled() and _returns_alias(func) and any(
         isinstance(x, FakeDeviceTensor) and not x.is_inference() for x in flat
     ):
         # a view of an ordinary tensor is ordinary, also inside inference mode (autograd
         # then gives it the base's version counter, which an inference tensor cannot hold)
         with torch.inference_mode(False):
-            return pytree.tree_map(wrap, out)
-    return pytree.tree_map(wrap, out)
+            return wrap_all(out)
+    return wrap_all(out)
 
 
 def _dispatch_mutating(func, args, kwargs, flat):
