@@ -211,10 +211,11 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-SMALL_WORDS = 1 << 16
-"""Tensors of at most this many words are fingerprinted together, in batches of up to
-``BATCH_WORDS`` words (a few device ops per batch instead of a dozen per tensor)."""
-BATCH_WORDS = 1 << 22
+SMALL_WORDS = 128
+"""Tensors of at most this many words (biases, norms, scales) are fingerprinted together,
+in batches of up to ``BATCH_WORDS`` words: a few device ops per batch instead of about
+twenty per tensor, with at most ~3 KiB of temporary device memory."""
+BATCH_WORDS = 128
 
 
 @torch.no_grad()
@@ -613,8 +614,16 @@ class Mover:
         return fps
 
     def record(self, members: list[Member]) -> None:
-        """Remember the members' resident bytes (fingerprint, version): a load's last step."""
-        for m, fp in zip(members, self._fingerprints(members)):
+        """Remember the members' resident bytes (fingerprint, version): a load's last step.
+
+        With no device room left for the fingerprints' temporaries, the members keep no
+        fingerprint, and their eviction writes them back (correct, at the cost of D2H).
+        """
+        try:
+            fps: list[int | None] = self._fingerprints(members)
+        except torch.OutOfMemoryError:
+            fps = [None] * len(members)
+        for m, fp in zip(members, fps):
             m.fp = fp
             m.version = m.payload._version
 
