@@ -288,7 +288,7 @@ class ModelLevelOffloadBackend:
         limit = hostmem.locked_memory_limit()
         cap = self.max_pinned_bytes
         want = pinnable if cap is None else min(pinnable, cap)
-        if self.mover.pin and limit is not None and want > limit:
+        if self.mover.pin and self.platform.locks_host_memory and limit is not None and want > limit:
             warnings.warn(
                 f"pinning up to {want} bytes of host copies, above this process's locked-memory "
                 f"limit (RLIMIT_MEMLOCK, {limit} bytes); where the driver enforces it, the rest "

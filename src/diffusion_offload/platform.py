@@ -82,9 +82,12 @@ class Platform:
         supports_pinning: host copies may be pinned for faster, asynchronous H2D.
         blocking_d2h: device->host copies must be synchronous (XPU).
         is_noop: offload does nothing on this platform (CPU: host and device are one).
+        locks_host_memory: pinning page-locks real host memory (the process's
+            ``RLIMIT_MEMLOCK`` may matter); False for the simulated fake device.
     """
 
     supports_pinning: bool = False
+    locks_host_memory: bool = True
     blocking_d2h: bool = False
     is_noop: bool = False
 
@@ -195,6 +198,7 @@ class FakePlatform(Platform):
     """The test accelerator of ``diffusion_offload.testing.fake_accelerator`` (``torch.fakegpu``)."""
 
     supports_pinning = True
+    locks_host_memory = False
 
     def host_register(self, ptr: int, nbytes: int) -> bool:
         """Simulated in-place pinning: the storage at ``ptr`` reports ``is_pinned()``."""

@@ -221,6 +221,9 @@ class Omni:
         progress: show the pipeline's progress bar over denoising steps.
         max_pinned_bytes: pin at most this many bytes of host copies (the rest stay
             pageable); None: no cap. See ``ModelLevelOffloadBackend``.
+        variant: the weight file variant to load (``"fp16"`` loads
+            ``*.fp16.safetensors``), as diffusers' ``from_pretrained(variant=...)``;
+            the fit check counts the same files.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -247,6 +250,7 @@ class Omni:
         trace: bool = False,
         progress: bool = True,
         max_pinned_bytes: int | None = None,
+        variant: str | None = None,
     ) -> None:
         start = time.perf_counter()
         self._lock = threading.RLock()
@@ -259,7 +263,8 @@ class Omni:
         self.device = pick_device(device)
         self.platform: Platform = platform_for(self.device)
         self.model = str(model)
-        self.info: ModelInfo = inspect_model(resolve_model(model))
+        self.variant = variant
+        self.info: ModelInfo = inspect_model(resolve_model(model), variant)
         self.component_roles = self._check_roles(component_roles)
         self.dtype = self._resolve_dtype(dtype_choice)
         self.footprint: Footprint | None = None
@@ -274,7 +279,9 @@ class Omni:
 
         from diffusers import DiffusionPipeline
 
-        self.pipeline = DiffusionPipeline.from_pretrained(self.info.path, dtype=self.dtype)
+        self.pipeline = DiffusionPipeline.from_pretrained(
+            self.info.path, dtype=self.dtype, variant=variant
+        )
         self.pipeline.set_progress_bar_config(disable=not progress)
         self.backend: ModelLevelOffloadBackend | None = None
         if self.config is not None and not self.platform.is_noop:
