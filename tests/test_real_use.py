@@ -1,0 +1,248 @@
+"""The ways people really drive diffusers pipelines, on an offloaded tiny Wan2.1 pipeline.
+
+Each test compares against the same operations on an all-resident pipeline and calls
+``backend.audit()`` after every step: LoRA load / set_adapters / fuse / unfuse / unload,
+diffusers' layerwise casting (``.data`` reassigned on every forward: nothing written
+back), ``pipe.to(...)``, a direct call into a child of an offloaded encoder, aliased
+Parameters, the pinned-memory cap and the host-memory check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from diffusion_offload import ModelLevelOffloadBackend
+from diffusion_offload.testing import fake_accelerator as fa
+from diffusion_offload.testing import tiny_pipelines
+from diffusion_offload.testing.pytest_plugin import requires_fake
+
+FULL = {"mode": "module", "components": ["dit", "text_encoder"]}
+
+pytestmark = requires_fake
+
+
+def _run(pipe) -> np.ndarray:
+    kw = tiny_pipelines.default_call_kwargs("wan2.1")
+    out = pipe(prompt="a cat on a mat", generator=torch.Generator("cpu").manual_seed(0),
+               output_type="np", **kw)
+    return np.asarray(out.frames, dtype=np.float64)
+
+
+@pytest.fixture(scope="module")
+def lora_state_dict() -> dict[str, torch.Tensor]:
+    pytest.importorskip("peft", reason="LoRA loading needs peft (the `test` extra installs it)")
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    t = tiny_pipelines.build("wan2.1", 0).transformer
+    t.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"], init_lora_weights=False))
+    return {f"transformer.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(t).items()}
+
+
+def _pair(device):
+    ref = tiny_pipelines.build("wan2.1", 0).to(device)
+    pipe = tiny_pipelines.build("wan2.1", 0)
+    backend = ModelLevelOffloadBackend(FULL, device)
+    backend.enable(pipe)
+    return ref, pipe, backend
+
+
+def test_lora_load_set_adapters_fuse_unfuse_unload_equal_resident(fake_device, lora_state_dict):
+    ref, pipe, backend = _pair(fake_device)
+    base = _run(ref)
+    steps = [
+        ("load_lora_weights", lambda p: p.load_lora_weights(
+            {k: v.clone() for k, v in lora_state_dict.items()}, adapter_name="a")),
+        ("set_adapters 0.5", lambda p: p.set_adapters(["a"], adapter_weights=[0.5])),
+        ("fuse_lora", lambda p: p.fuse_lora(lora_scale=1.0)),
+        ("unfuse_lora", lambda p: p.unfuse_lora()),
+        ("unload_lora_weights", lambda p: p.unload_lora_weights()),
+    ]
+    outputs = []
+    for name, step in steps:
+        step(ref)
+        step(pipe)
+        assert backend.audit() == [], name
+        want = _run(ref)
+        got = _run(pipe)
+        assert backend.audit() == [], name
+        np.testing.assert_allclose(got, want, atol=1e-6, err_msg=name)
+        outputs.append(want)
+    assert np.abs(outputs[0] - base).max() > 1e-4  # the LoRA changes the output
+    np.testing.assert_allclose(outputs[-1], base, atol=1e-6)  # unloaded: back to the base
+    dit_sides = {t.device.type for t in pipe.transformer.parameters()}
+    assert len(dit_sides) == 1  # never split across host and device
+    backend.disable()
+
+
+def test_lora_loaded_while_the_dit_is_resident(fake_device, lora_state_dict):
+    ref, pipe, backend = _pair(fake_device)
+    _run(pipe)  # the last DiT stays resident after a request
+    assert pipe.transformer.proj_out.weight.device == fake_device
+    for p in (ref, pipe):
+        p.load_lora_weights({k: v.clone() for k, v in lora_state_dict.items()}, adapter_name="a")
+    np.testing.assert_allclose(_run(pipe), _run(ref), atol=1e-6)
+    pipe.encode_prompt("a cat", device=fake_device, max_sequence_length=16)  # evicts the DiT
+    assert {t.device.type for t in pipe.transformer.parameters()} == {"cpu"}
+    assert backend.audit() == []
+    backend.disable()
+
+
+def test_layerwise_casting_writes_nothing_back(fake_device):
+    ref, pipe, backend = _pair(fake_device)
+    for p in (ref, pipe):
+        p.transformer.enable_layerwise_casting(
+            storage_dtype=torch.float16, compute_dtype=torch.float32
+        )
+    want = _run(ref)
+    before = backend.stats.snapshot()
+    got = _run(pipe)
+    got2 = _run(pipe)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got2, want)
+    spent = backend.stats.since(before)
+    assert spent.evictions >= 2 and spent.d2h_bytes == 0  # equal bytes: no write-back
+    gc_free = fa.stats()["allocated_bytes"]
+    assert backend.audit() == []
+    # no stale device copy: after the encoder ran, no DiT tensor is on the device
+    pipe.encode_prompt("a cat", device=fake_device, max_sequence_length=16)
+    assert {t.device.type for t in pipe.transformer.parameters()} == {"cpu"}
+    assert fa.stats()["allocated_bytes"] <= gc_free
+    backend.disable()
+
+
+def test_pipe_to_keeps_placement_or_names_disable(fake_device):
+    ref, pipe, backend = _pair(fake_device)
+    want = _run(ref)
+    pipe.to(fake_device)  # keeps the offload placement
+    assert {t.device.type for t in pipe.transformer.parameters()} == {"cpu"}
+    assert backend.audit() == []
+    np.testing.assert_array_equal(_run(pipe), want)
+    placement = {n: t.device for n, t in pipe.transformer.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"disable\(\)"):
+        pipe.to("cpu")
+    with pytest.raises(RuntimeError, match=r"disable\(\)"):
+        pipe.to(torch.float16)
+    assert {n: t.device for n, t in pipe.transformer.named_parameters()} == placement
+    assert {t.dtype for t in pipe.transformer.parameters()} == {torch.float32}
+    assert backend.audit() == []
+    np.testing.assert_array_equal(_run(pipe), want)
+    backend.disable()
+    pipe.to("cpu")  # after disable the user places modules again
+    assert {t.device.type for t in pipe.text_encoder.parameters()} == {"cpu"}
+
+
+def test_call_below_the_hooked_module_loads_the_component(fake_device):
+    ref, pipe, backend = _pair(fake_device)
+    ids = torch.randint(0, 8, (1, 6), device=fake_device)
+    with torch.no_grad():
+        want = ref.text_encoder.encoder(ids).last_hidden_state.cpu()
+        for _ in range(2):
+            _run(pipe)  # the DiTs evict the text encoder
+            assert {t.device.type for t in pipe.text_encoder.parameters()} == {"cpu"}
+            got = pipe.text_encoder.encoder(ids).last_hidden_state.cpu()
+            assert torch.equal(got, want)
+            assert backend.audit() == []
+    backend.disable()
+
+
+def test_aliased_parameters_keep_one_host_copy_and_stay_aliased(fake_device):
+    class Dit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            flat = torch.arange(24, dtype=torch.float32)
+            self.a = nn.Parameter(flat[:12].view(3, 4))
+            self.b = nn.Parameter(flat[12:].view(3, 4))
+            self.c = nn.Parameter(flat[4:16].view(3, 4))  # overlaps a and b
+
+        def forward(self, x):
+            return x @ self.a.T + x @ self.b.T + x @ self.c.T
+
+    from diffusion_offload import SupportsComponentDiscovery
+
+    class Pipe(nn.Module, SupportsComponentDiscovery):
+        _dit_modules = ["transformer"]
+        _encoder_modules = ["text_encoder"]
+        _vae_modules: list = []
+        _resident_modules: list = []
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = Dit()
+            self.text_encoder = nn.Linear(4, 4)
+
+    pipe = Pipe()
+    storage = pipe.transformer.a.untyped_storage().data_ptr()
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        [slot] = backend.components["transformer"].slots
+        assert slot.nbytes == 24 * 4 and backend.stats.pinned_bytes >= 96  # one host copy
+        assert pipe.transformer.a.untyped_storage().data_ptr() == storage  # pinned in place
+        x = torch.ones(1, 4, device=fake_device)
+        with torch.no_grad():
+            pipe.transformer(x)
+            assert fa.stats()["h2d_bytes"] >= 96
+            pipe.transformer.a.data.add_(100.0)  # a .data write through one alias ...
+            assert pipe.transformer.c[0, 0].item() == 104.0  # ... is seen by the other
+            pipe.text_encoder(x)  # evicts the DiT: written back once
+        assert backend.stats.d2h_bytes == 12 * 4 * 2  # a and c changed (they overlap)
+        assert pipe.transformer.c.untyped_storage().data_ptr() == storage
+        assert pipe.transformer.c[0, 0].item() == 104.0 and pipe.transformer.b[0, 0].item() == 12.0
+        assert backend.audit() == []
+    assert not backend.is_enabled()
+
+
+def test_max_pinned_bytes_pins_up_to_the_cap(fake_device):
+    pipe = tiny_pipelines.build("wan2.1", 0)
+    with ModelLevelOffloadBackend(FULL, fake_device, max_pinned_bytes=50_000) as backend:
+        backend.enable(pipe)
+        stats = backend.stats
+        slots = {id(s): s for c in backend.components.values() if c.selected for s in c.slots}
+        pinned = sum(s.nbytes for s in slots.values() if s.pinned)
+        pageable = sum(s.nbytes for s in slots.values() if not s.pinned)
+        assert 0 < stats.pinned_bytes == pinned <= 50_000
+        assert stats.pageable_host_bytes == pageable > 0
+        assert all(t.is_pinned() == backend.components["transformer"].table.slot_of(t).pinned
+                   for t in pipe.transformer.parameters())
+        _run(pipe)
+        assert backend.audit() == []
+    with pytest.raises(ValueError, match="max_pinned_bytes"):
+        ModelLevelOffloadBackend(FULL, fake_device, max_pinned_bytes=-1)
+
+
+def test_host_memory_check_refuses_before_anything_moves(fake_device, monkeypatch):
+    from diffusion_offload import hostmem
+
+    pipe = tiny_pipelines.build("wan2.1", 0).to(fake_device)  # host copies must be made
+    placement = {n: t.device for n, t in pipe.transformer.named_parameters()}
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 1000)
+    fa.reset_stats()
+    with pytest.raises(MemoryError, match=r"needs \d+ bytes of host memory.*only 1000 bytes"):
+        ModelLevelOffloadBackend(FULL, fake_device).enable(pipe)
+    assert fa.stats()["d2h_bytes"] == 0
+    assert {n: t.device for n, t in pipe.transformer.named_parameters()} == placement
+
+
+def test_audit_reports_breaches(fake_device):
+    ref, pipe, backend = _pair(fake_device)
+    assert backend.audit() == []
+    w = pipe.transformer.proj_out.weight
+    w.data = w.detach().to(fake_device)  # moved behind the backend's back
+    breaches = backend.audit()
+    assert any("proj_out.weight" in b and "should be on the host" in b for b in breaches)
+    w.data = w.detach().cpu()
+    assert backend.audit() == []
+    pipe.transformer.proj_out._parameters["extra"] = nn.Parameter(torch.ones(2))  # no hook sees it
+    assert any("not managed" in b for b in backend.audit())
+    del pipe.transformer.proj_out._parameters["extra"]
+    enc = backend.components["text_encoder"]
+    enc.resident = True
+    backend.components["transformer"].resident = True  # a flag that lies
+    breaches = backend.audit()
+    assert any("more than one group" in b for b in breaches)
+    assert any("should be on the device" in b for b in breaches)
+    backend.components["transformer"].resident = False
+    backend.disable()
