@@ -246,3 +246,42 @@ def test_audit_reports_breaches(fake_device):
     assert any("should be on the device" in b for b in breaches)
     backend.components["transformer"].resident = False
     backend.disable()
+
+
+def test_gguf_parameters_keep_subclass_and_quant_type(fake_device):
+    gguf = pytest.importorskip("gguf", reason="GGUF weights need the gguf package (the `test` extra)")
+    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+
+    from diffusion_offload import SupportsComponentDiscovery
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    class Pipe(nn.Module, SupportsComponentDiscovery):
+        _dit_modules = ["transformer"]
+        _encoder_modules = ["text_encoder"]
+        _vae_modules: list = []
+        _resident_modules: list = []
+
+        def __init__(self) -> None:
+            super().__init__()
+            w = np.random.RandomState(0).randn(64, 64).astype(np.float32)
+            self.transformer = GGUFLinear(64, 64, bias=False, compute_dtype=torch.float32)
+            self.transformer.weight = GGUFParameter(torch.from_numpy(gguf.quantize(w, q8)), quant_type=q8)
+            self.text_encoder = nn.Linear(64, 64)
+
+    pipe = Pipe()
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        ref = pipe.transformer(x)
+    w = pipe.transformer.weight
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        for _ in range(2):
+            with torch.no_grad():
+                out = pipe.transformer(x.to(fake_device))
+                assert isinstance(w, GGUFParameter) and w.device == fake_device and w.quant_type == q8
+                assert torch.equal(out.cpu(), ref)
+                pipe.text_encoder(x.to(fake_device))  # evicts the DiT
+            assert type(w) is GGUFParameter and w.device.type == "cpu" and w.quant_type == q8
+            assert w.dtype == torch.uint8 and w.is_pinned()
+            assert backend.stats.d2h_bytes == 0 and backend.audit() == []

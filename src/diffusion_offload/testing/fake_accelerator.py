@@ -383,6 +383,40 @@ def _data_set(self: torch.Tensor, new: torch.Tensor) -> None:
 
 
 _HOST_CLASS = "_fakegpu_host_class"
+_device_classes: dict[type, type] = {}
+
+
+def _device_class(host_class: type) -> type:
+    """The class a tensor of ``host_class`` has on the fake device.
+
+    Plain tensors and Parameters become ``FakeDeviceTensor``. A subclass (diffusers'
+    ``GGUFParameter``, a quantized Parameter) keeps being an instance of it, as with
+    ``.data =`` on CUDA: the device class derives from both ``FakeDeviceTensor`` (for
+    the device's dispatch) and ``host_class`` (its methods, ``__torch_function__`` and
+    attributes). When the subclass re-wraps an op's result as ``cls(result, **kw)``, the
+    result gets the attributes ``host_class``'s constructor computes for those arguments.
+    """
+    if host_class in (torch.Tensor, torch.nn.Parameter) or issubclass(host_class, FakeDeviceTensor):
+        return FakeDeviceTensor
+    cls = _device_classes.get(host_class)
+    if cls is None:
+
+        def __new__(cls, data=None, *args, **kwargs):  # noqa: N807
+            inner = data._inner if isinstance(data, FakeDeviceTensor) else data
+            out = FakeDeviceTensor.__new__(cls, inner)
+            with torch.inference_mode(False), torch.no_grad():
+                model = host_class(inner.detach(), *args, **kwargs)
+            out.__dict__.update({k: v for k, v in model.__dict__.items() if k != "_inner"})
+            out.__dict__[_HOST_CLASS] = host_class
+            return out
+
+        cls = type(
+            f"FakeDevice{host_class.__name__}",
+            (FakeDeviceTensor, host_class),
+            {"__new__": __new__, "__module__": __name__},
+        )
+        _device_classes[host_class] = cls
+    return cls
 
 
 def _rebind_across(self: torch.Tensor, new: torch.Tensor) -> None:
@@ -408,7 +442,7 @@ def _rebind_across(self: torch.Tensor, new: torch.Tensor) -> None:
         alias = new.detach()
     torch._C._swap_tensor_impl(self, alias)
     if isinstance(new, FakeDeviceTensor):
-        self.__class__ = FakeDeviceTensor
+        self.__class__ = _device_class(host_class)
         attrs["_inner"] = alias.__dict__["_inner"]
         attrs[_HOST_CLASS] = host_class
         attrs["_is_param"] = is_param
