@@ -42,6 +42,21 @@ def lora_state_dict() -> dict[str, torch.Tensor]:
     return {f"transformer.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(t).items()}
 
 
+def _declared(transformer: nn.Module, text_encoder: nn.Module) -> nn.Module:
+    """A pipeline that declares one DiT and one text encoder."""
+    from diffusion_offload import SupportsComponentDiscovery
+
+    class Pipe(nn.Module, SupportsComponentDiscovery):
+        _dit_modules = ["transformer"]
+        _encoder_modules = ["text_encoder"]
+        _vae_modules: list = []
+        _resident_modules: list = []
+
+    pipe = Pipe()
+    pipe.transformer, pipe.text_encoder = transformer, text_encoder
+    return pipe
+
+
 def _pair(device):
     ref = tiny_pipelines.build("wan2.1", 0).to(device)
     pipe = tiny_pipelines.build("wan2.1", 0)
@@ -161,20 +176,7 @@ def test_aliased_parameters_keep_one_host_copy_and_stay_aliased(fake_device):
         def forward(self, x):
             return x @ self.a.T + x @ self.b.T + x @ self.c.T
 
-    from diffusion_offload import SupportsComponentDiscovery
-
-    class Pipe(nn.Module, SupportsComponentDiscovery):
-        _dit_modules = ["transformer"]
-        _encoder_modules = ["text_encoder"]
-        _vae_modules: list = []
-        _resident_modules: list = []
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.transformer = Dit()
-            self.text_encoder = nn.Linear(4, 4)
-
-    pipe = Pipe()
+    pipe = _declared(Dit(), nn.Linear(4, 4))
     storage = pipe.transformer.a.untyped_storage().data_ptr()
     with ModelLevelOffloadBackend(FULL, fake_device) as backend:
         backend.enable(pipe)
@@ -252,24 +254,11 @@ def test_gguf_parameters_keep_subclass_and_quant_type(fake_device):
     gguf = pytest.importorskip("gguf", reason="GGUF weights need the gguf package (the `test` extra)")
     from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
 
-    from diffusion_offload import SupportsComponentDiscovery
-
     q8 = gguf.GGMLQuantizationType.Q8_0
-
-    class Pipe(nn.Module, SupportsComponentDiscovery):
-        _dit_modules = ["transformer"]
-        _encoder_modules = ["text_encoder"]
-        _vae_modules: list = []
-        _resident_modules: list = []
-
-        def __init__(self) -> None:
-            super().__init__()
-            w = np.random.RandomState(0).randn(64, 64).astype(np.float32)
-            self.transformer = GGUFLinear(64, 64, bias=False, compute_dtype=torch.float32)
-            self.transformer.weight = GGUFParameter(torch.from_numpy(gguf.quantize(w, q8)), quant_type=q8)
-            self.text_encoder = nn.Linear(64, 64)
-
-    pipe = Pipe()
+    w = np.random.RandomState(0).randn(64, 64).astype(np.float32)
+    dit = GGUFLinear(64, 64, bias=False, compute_dtype=torch.float32)
+    dit.weight = GGUFParameter(torch.from_numpy(gguf.quantize(w, q8)), quant_type=q8)
+    pipe = _declared(dit, nn.Linear(64, 64))
     x = torch.randn(2, 64)
     with torch.no_grad():
         ref = pipe.transformer(x)

@@ -39,7 +39,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch import nn
 
 from . import hostmem
 from .platform import Platform, same_device
@@ -50,7 +49,6 @@ __all__ = [
     "TensorSlot",
     "Transaction",
     "TransferStats",
-    "collect_tensors",
     "fingerprint",
     "fingerprints",
     "payload_of",
@@ -123,24 +121,6 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def payload_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose payload moves: a DTensor's local shard, or ``t`` itself."""
     return t._local_tensor if _is_dtensor(t) else t
-
-
-def collect_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Every distinct parameter and buffer object of ``module`` and its submodules.
-
-    Persistent and non-persistent buffers are included; a tensor registered in several
-    places (tied weights) appears once. Order: ``named_modules`` order, parameters before
-    buffers.
-    """
-    seen: set[int] = set()
-    out: list[torch.Tensor] = []
-    for sub in module.modules():
-        for store in (sub._parameters, sub._buffers):
-            for t in store.values():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
-    return out
 
 
 # ----------------------------------------------------------------------------- fingerprints
