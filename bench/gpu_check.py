@@ -6,9 +6,13 @@
    byte counters are skipped there (they say so).
 2. Builds a random ~4 GB bf16 DiT-like component (16 x Linear(8192, 16384)) plus a
    small text encoder, enables model-level offload, and times with CUDA synchronization:
-   load from pinned host copies, load from pageable host copies, eviction of unmodified
-   weights (no copy), eviction with write-back of modified weights, and, as the naive
-   baseline, ``module.to(device)`` / ``module.to("cpu")`` of the same component.
+   load from host copies pinned in place, load from pageable host copies, eviction of
+   unmodified weights (no copy; fingerprints only), eviction with write-back of modified
+   weights, a load+evict cycle with the fingerprints stubbed out (their cost), and, as the
+   naive baseline, ``module.to(device)`` / ``module.to("cpu")`` of the same component.
+   It also reports pinned bytes against weight bytes, whether the host storages were
+   pinned in place (same data pointers before and after ``enable()``) and how much the
+   CUDA caching host allocator grew (0 expected: no ``pin_memory()`` copies).
 
 Needs torch >= 2.11 with a GPU and pytest; not diffusers. Run from the repo root::
 
@@ -36,6 +40,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from diffusion_offload import ModelLevelOffloadBackend, SupportsComponentDiscovery  # noqa: E402
 from diffusion_offload.hooks import get_hook  # noqa: E402
+from diffusion_offload.transfer import Mover  # noqa: E402
 
 
 class _Big(nn.Module):
@@ -79,7 +84,16 @@ def run_tests() -> tuple[int, str]:
     return proc.returncode, tail
 
 
-def measure(gib: float, repeats: int) -> list[tuple[str, float, float]]:
+def _host_allocator_bytes() -> int:
+    """Bytes the CUDA caching host allocator (``pin_memory()`` copies) holds, or -1."""
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+    if stats is None:
+        return -1
+    return int(stats().get("allocated_bytes.current", stats().get("allocated_bytes", -1)))
+
+
+def measure(gib: float, repeats: int, memory: list[str]) -> list[tuple[str, float, float]]:
+    """Transfer timings (name, seconds, GB/s); lines about host memory go to ``memory``."""
     device = torch.device("cuda", torch.cuda.current_device())
     rows, cols = 16384, 8192
     layers = max(1, round(gib * (1 << 30) / (rows * cols * 2)))
@@ -90,13 +104,26 @@ def measure(gib: float, repeats: int) -> list[tuple[str, float, float]]:
         backend = ModelLevelOffloadBackend(
             {"mode": "module", "components": ["dit", "text_encoder"], "pin_memory": pin}, device
         )
+        ptrs = [p.data_ptr() for p in pipe.transformer.parameters()]
+        host_before = _host_allocator_bytes()
+        start = time.perf_counter()
         backend.enable(pipe)
+        enable_s = time.perf_counter() - start
+        if pin:
+            in_place = ptrs == [p.data_ptr() for p in pipe.transformer.parameters()]
+            memory.append(
+                f"pinning in place: weights {nbytes} B, stats.pinned_bytes "
+                f"{backend.stats.pinned_bytes} B, pageable {backend.stats.pageable_host_bytes} B, "
+                f"every weight is_pinned(): {all(p.is_pinned() for p in pipe.transformer.parameters())}, "
+                f"same host storages as before enable: {in_place}, CUDA caching host allocator "
+                f"grew by {_host_allocator_bytes() - host_before} B, enable() took {enable_s:.3f} s"
+            )
         dit, enc = get_hook(pipe.transformer), get_hook(pipe.text_encoder)
         loads, evicts = [], []
         for _ in range(repeats):
             loads.append(_timed(dit.activate))
             evicts.append(_timed(enc.activate))
-        kind = "pinned" if pin else "pageable"
+        kind = "pinned in place" if pin else "pageable"
         load = statistics.median(loads)
         results.append((f"load DiT from {kind} host copies (H2D)", load, nbytes / load / 1e9))
         evict = statistics.median(evicts)
@@ -108,6 +135,18 @@ def measure(gib: float, repeats: int) -> list[tuple[str, float, float]]:
                     p.mul_(1)  # bump _version: forces write-back
             wb = _timed(enc.activate)
             results.append(("evict modified DiT (D2H write-back to pinned)", wb, nbytes / wb / 1e9))
+            real = Mover._fingerprints
+            Mover._fingerprints = lambda self, members: [0] * len(members)
+            try:
+                bare = [_timed(dit.activate) + _timed(enc.activate) for _ in range(repeats)]
+            finally:
+                Mover._fingerprints = real
+            cycle = statistics.median(loads) + statistics.median(evicts)
+            results.append(("load+evict cycle without fingerprints (stubbed)", statistics.median(bare), float("nan")))
+            memory.append(
+                f"fingerprint cost: load+evict cycle {cycle:.4f} s with fingerprints, "
+                f"{statistics.median(bare):.4f} s without ({cycle / statistics.median(bare):.2f} x)"
+            )
         backend.disable()
         del pipe, backend, dit, enc
         torch.cuda.empty_cache()
@@ -135,9 +174,11 @@ def main() -> int:
         status, tail = run_tests()
         lines += ["placement/equality tests on cuda:", "```", tail, "```", ""]
     lines += ["| operation | seconds (median) | GB/s |", "|---|---:|---:|"]
-    for name, seconds, gbps in measure(args.gib, args.repeats):
+    memory: list[str] = []
+    for name, seconds, gbps in measure(args.gib, args.repeats, memory):
         rate = "-" if gbps != gbps else f"{gbps:.1f}"
         lines.append(f"| {name} | {seconds:.4f} | {rate} |")
+    lines += [""] + [f"* {m}" for m in memory]
     text = "\n".join(lines)
     print(text)
     out = os.environ.get("OUT")

@@ -116,10 +116,10 @@ def _encoder_call(pipe, device):
 )
 def test_interrupt_in_activation_after_every_move(fake_device, monkeypatch, stage, call, what):
     ref = _reference(fake_device)
-    pipe, _ = _prepared(fake_device, stage)
-    n = _count_moves(monkeypatch, lambda: call(pipe, fake_device))
+    probe, _ = _prepared(fake_device, stage)
+    n = _count_moves(monkeypatch, lambda: call(probe, fake_device))
     assert n >= 4, what
-    del pipe
+    del probe
     for k in range(1, n + 1):
         gc.collect()  # the previous iteration's pipeline (hooks form collectable cycles)
         base = set(fa.live_storages())
@@ -146,10 +146,10 @@ def test_interrupt_in_enable_after_every_move(fake_device, monkeypatch, start):
             pipe.to(fake_device)
         return pipe
 
-    pipe = fresh()
-    n = _count_moves(monkeypatch, lambda: ModelLevelOffloadBackend(FULL, fake_device).enable(pipe))
+    probe = fresh()
+    n = _count_moves(monkeypatch, lambda: ModelLevelOffloadBackend(FULL, fake_device).enable(probe))
     assert n >= 4
-    del pipe
+    del probe
     for k in range(1, n + 1):
         gc.collect()
         base = set(fa.live_storages())
