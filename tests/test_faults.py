@@ -119,7 +119,6 @@ def test_interrupt_in_activation_after_every_move(fake_device, monkeypatch, stag
     probe, _ = _prepared(fake_device, stage)
     n = _count_moves(monkeypatch, lambda: call(probe, fake_device))
     assert n >= 4, what
-    del probe
     for k in range(1, n + 1):
         gc.collect()  # the previous iteration's pipeline (hooks form collectable cycles)
         base = set(fa.live_storages())
@@ -149,7 +148,6 @@ def test_interrupt_in_enable_after_every_move(fake_device, monkeypatch, start):
     probe = fresh()
     n = _count_moves(monkeypatch, lambda: ModelLevelOffloadBackend(FULL, fake_device).enable(probe))
     assert n >= 4
-    del probe
     for k in range(1, n + 1):
         gc.collect()
         base = set(fa.live_storages())
