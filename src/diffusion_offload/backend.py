@@ -406,7 +406,9 @@ class ModelLevelOffloadBackend:
         selected = [w for w in weights.values() if w.selected]
         if comp.role == "dit":
             return [w for w in selected if w.name != comp.name]
-        if comp.role in _ENCODER_ROLES:
+        if comp.role in _ENCODER_ROLES or comp.role == "vae":
+            # a VAE decodes without the DiTs: evicting an unmodified DiT costs no copy,
+            # and the next request's text encoder evicts it anyway
             return [w for w in selected if w.role == "dit"]
         return []
 

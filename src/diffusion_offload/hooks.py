@@ -1,7 +1,8 @@
 """Hooks of model-level offload: ``SequentialOffloadHook`` and what guards a component.
 
-A hook wraps its module's ``forward`` as an instance attribute, so it fires for
-``module(...)`` and for direct ``module.forward(...)`` calls, runs after torch forward
+A hook wraps its module's ``forward`` (and a VAE's ``decode`` and ``encode``, which
+diffusers calls directly) as an instance attribute, so it fires for ``module(...)``, for
+direct ``module.forward(...)`` calls and for ``vae.decode(...)``, runs after torch forward
 pre-hooks and before the original forward, and composes with other libraries' forward
 wrappers installed before or after it. Removal restores the previous ``forward`` when
 ours is still the outermost wrapper; when another wrapper sits on ours, ours becomes an
@@ -50,8 +51,8 @@ class SequentialOffloadHook:
     Args:
         component: the module's weights.
         exclusion: selected components to evict before this one runs (for a DiT: the
-            selected encoders and the other selected DiTs; for an encoder: the selected
-            DiTs; for a VAE: none).
+            selected encoders and the other selected DiTs; for an encoder or a VAE: the
+            selected DiTs).
         companions: components of the same group loaded together with this one (the
             other selected encoders of an encoder: a pipeline's text encoders run back
             to back, so the encoder stage is one group).
@@ -171,19 +172,28 @@ class HookHandle:
         self._child_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked_children: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._child_hooks = child_hooks
-        self.wrapper: Callable[..., Any] | None = None
         self.apply_guard = self._make_apply_guard()
+        # the entry points that run the module: forward, and a VAE's decode/encode
+        # (diffusers calls ``vae.decode(...)``, not ``vae(...)``)
+        self.wrappers: dict[str, Callable[..., Any]] = {}
         if hook is not None:
-            self.wrapper = self._make_forward(module, hook)
+            names = ["forward"]
+            if hook.component.role == "vae":
+                names += [n for n in ("decode", "encode") if callable(getattr(type(module), n, None))]
+            for name in names:
+                self.wrappers[name] = self._make_entry(module, hook, name)
 
     # -- forward ----------------------------------------------------------------------
 
-    def _make_forward(self, module: nn.Module, hook: SequentialOffloadHook) -> Callable[..., Any]:
+    def _make_entry(
+        self, module: nn.Module, hook: SequentialOffloadHook, name: str
+    ) -> Callable[..., Any]:
         module_ref = self.module_ref
-        previous = module.__dict__.get("forward")  # another library's wrapper, if any
+        previous = module.__dict__.get(name)  # another library's wrapper, if any
+        unbound = getattr(type(module), name)
         handle = self  # the module keeps its handle alive; the handle holds it weakly
 
-        def offload_forward(*args: Any, **kwargs: Any) -> Any:
+        def offload_entry(*args: Any, **kwargs: Any) -> Any:
             mod = module_ref()
             if mod is None:
                 raise ReferenceError("the offloaded module was deleted")
@@ -191,11 +201,12 @@ class HookHandle:
                 args, kwargs = hook.pre_forward(mod, args, kwargs)
             if previous is not None:
                 return previous(*args, **kwargs)
-            return type(mod).forward(mod, *args, **kwargs)
+            return unbound(mod, *args, **kwargs)
 
-        offload_forward.__wrapped__ = type(module).forward  # type: ignore[attr-defined]
-        offload_forward.__doc__ = type(module).forward.__doc__
-        return offload_forward
+        offload_entry.__wrapped__ = unbound  # type: ignore[attr-defined]
+        offload_entry.__doc__ = unbound.__doc__
+        offload_entry.__name__ = name
+        return offload_entry
 
     # -- children ---------------------------------------------------------------------
 
@@ -258,9 +269,7 @@ class HookHandle:
         """Put the wrappers on the module (forward, ``_apply``) and hook the children."""
         module = self.module_ref()
         assert module is not None
-        for attr, value in (("forward", self.wrapper), ("_apply", self.apply_guard)):
-            if value is None:
-                continue
+        for attr, value in (*self.wrappers.items(), ("_apply", self.apply_guard)):
             self._saved[attr] = module.__dict__.get(attr)
             module.__dict__[attr] = value
         self.hook_children()
@@ -282,7 +291,7 @@ class HookHandle:
         if module is None:
             return
         for attr, previous in self._saved.items():
-            ours = self.wrapper if attr == "forward" else self.apply_guard
+            ours = self.wrappers.get(attr, self.apply_guard)
             if module.__dict__.get(attr) is ours:
                 if previous is not None:
                     module.__dict__[attr] = previous
