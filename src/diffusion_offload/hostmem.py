@@ -20,9 +20,11 @@ from .platform import Platform
 
 __all__ = ["available_host_bytes", "locked_memory_limit", "pin_in_place", "unpin_in_place"]
 
-_lock = threading.Lock()
-# (device type, storage data pointer) -> finalizer that unregisters when the storage dies
-_registered: dict[tuple[str, int], weakref.finalize] = {}
+# re-entrant: creating a finalizer may run the garbage collector, whose finalizers
+# (another storage's ``_unregister``) take this lock on the same thread
+_lock = threading.RLock()
+# (device type, storage data pointer) -> (the storage, weakly; its finalizer; its id)
+_registered: dict[tuple[str, int], tuple[weakref.ref, weakref.finalize, int]] = {}
 
 
 def pin_in_place(platform: Platform, storage: torch.UntypedStorage) -> bool:
@@ -30,18 +32,23 @@ def pin_in_place(platform: Platform, storage: torch.UntypedStorage) -> bool:
 
     Returns True when the storage is pinned (now or already), False when the platform
     cannot register it (no in-place pinning, a read-only memory map, the driver refused):
-    the caller keeps it pageable.
+    the caller keeps it pageable. A registration left by a dead storage at the same
+    address (its finalizer not yet run) is undone first.
     """
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if ptr == 0 or nbytes == 0:
         return False
     key = (platform.device.type, ptr)
     with _lock:
-        if key in _registered:
-            return True
+        entry = _registered.get(key)
+        if entry is not None:
+            if entry[0]() is storage:
+                return True
+            entry[1]()  # stale: the memory was freed and reused
         if not platform.host_register(ptr, nbytes):
             return False
-        _registered[key] = weakref.finalize(storage, _unregister, platform, key)
+        fin = weakref.finalize(storage, _unregister, platform, key, id(storage))
+        _registered[key] = (weakref.ref(storage), fin, id(storage))
     return True
 
 
@@ -49,15 +56,17 @@ def unpin_in_place(platform: Platform, storage: torch.UntypedStorage) -> None:
     """Undo ``pin_in_place`` for ``storage`` now (a rolled-back ``enable``)."""
     key = (platform.device.type, storage.data_ptr())
     with _lock:
-        fin = _registered.get(key)
-    if fin is not None:
-        fin()
+        entry = _registered.get(key)
+    if entry is not None and entry[0]() is storage:
+        entry[1]()
 
 
-def _unregister(platform: Platform, key: tuple[str, int]) -> None:
+def _unregister(platform: Platform, key: tuple[str, int], owner: int) -> None:
     with _lock:
-        if _registered.pop(key, None) is None:
+        entry = _registered.get(key)
+        if entry is None or entry[2] != owner:  # undone already, or a newer storage's
             return
+        del _registered[key]
     platform.host_unregister(key[1])
 
 
