@@ -316,3 +316,115 @@ def test_vae_decodes_without_the_dits(fake_device):
         assert backend.audit() == []
     assert seen and all(s == {"cpu"} for s in seen)
     backend.disable()
+
+
+# --------------------------------------------------------------- regressions from a review
+
+
+def _toy(device):
+    from diffusion_offload.testing.toy import ToyPipeline
+
+    g = torch.Generator().manual_seed(3)
+    ids, image = torch.randint(0, 32, (2, 5), generator=g), torch.randn(2, 16, generator=g)
+    ref = ToyPipeline().to(device)(ids, image, device=device)
+    pipe = ToyPipeline()
+    return pipe, (lambda: pipe(ids, image, device=device)), ref
+
+
+def test_components_sharing_one_storage_keep_separate_slots(fake_device):
+    pipe, run, ref = _toy(fake_device)
+    params = list(pipe.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])  # every weight in one buffer
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        for comp in backend.components.values():
+            assert all(s.owners == {comp.name} for s in comp.slots), comp.name
+        assert backend.audit() == []
+        assert torch.equal(run(), ref) and backend.audit() == []
+        assert {t.device.type for t in pipe.transformer.parameters()} == {"cpu"}
+
+
+def test_moving_a_child_of_an_evicted_dit_is_refused(fake_device):
+    pipe, run, ref = _toy(fake_device)
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        with pytest.raises(RuntimeError, match=r"disable\(\)"):
+            pipe.transformer.blocks[0].to(fake_device)
+        pipe.transformer.blocks[0].to("cpu")  # to the side it is on: fine
+        pipe.transformer.blocks[0].to(torch.float32)  # a dtype conversion: fine
+        assert backend.audit() == [] and torch.equal(run(), ref)
+
+
+def test_a_submodule_added_after_enable_loads_its_component(fake_device):
+    pipe, run, _ = _toy(fake_device)
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        pipe.transformer.extra = nn.Linear(16, 16)  # on the host, DiT evicted
+        run()  # the DiT ran: the new submodule is adopted (and gets its hooks)
+        run()
+        assert {t.device.type for t in pipe.transformer.parameters()} == {"cpu"}
+        with torch.no_grad():
+            out = pipe.transformer.extra(torch.ones(1, 16, device=fake_device))
+        assert out.device == fake_device and backend.components["transformer"].resident
+        assert backend.audit() == []
+
+
+def test_a_deleted_pipeline_frees_its_device_memory_while_the_backend_lives(fake_device):
+    import gc
+
+    gc.collect()
+    before = fa.stats()["allocated_bytes"]
+    pipe, run, _ = _toy(fake_device)
+    backend = ModelLevelOffloadBackend(FULL, fake_device)
+    backend.enable(pipe)
+    run()
+    del pipe, run
+    gc.collect()
+    assert fa.stats()["allocated_bytes"] == before
+    assert backend.modules == {}
+    pipe2, run2, ref2 = _toy(fake_device)
+    backend.enable(pipe2)  # its pipeline is gone: the backend can take another
+    assert torch.equal(run2(), ref2) and backend.audit() == []
+    backend.disable()
+
+
+def test_disable_inside_offload_component_moves_nothing(fake_device):
+    from diffusion_offload import offload_component
+
+    pipe, run, ref = _toy(fake_device)
+    backend = ModelLevelOffloadBackend(FULL, fake_device)
+    backend.enable(pipe)
+    with offload_component(pipe.transformer):
+        backend.disable()
+    assert {t.device for t in pipe.transformer.parameters()} == {fake_device}
+
+
+def test_rebinding_a_weight_to_another_view_of_its_storage_while_evicted(fake_device):
+    pipe, run, _ = _toy(fake_device)
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        w = pipe.transformer.blocks[0].fc1.weight  # (32, 16), on the host
+        with torch.no_grad():
+            w.data = w.data.reshape(16, 32).t()  # same shape, new strides, same storage
+        want = w.detach().clone()
+        run()
+        assert torch.equal(w.detach().cpu(), want) and backend.audit() == []
+
+
+def test_touching_a_weight_without_changing_its_bytes_writes_nothing_back(fake_device):
+    pipe, run, _ = _toy(fake_device)
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        enc = pipe.encoders["text"]
+        start = backend.stats.snapshot()
+        with torch.no_grad():
+            enc.block.fc1.weight.add_(0.0)
+            enc.block.fc2.weight.copy_(enc.block.fc2.weight.clone())
+            enc.block.fc1.bias.clamp_(-float("inf"), float("inf"))
+        run()  # the DiTs evict the text encoder
+        assert backend.stats.since(start).d2h_bytes == 0

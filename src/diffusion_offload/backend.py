@@ -91,7 +91,6 @@ class ModelLevelOffloadBackend:
         self.max_pinned_bytes = max_pinned_bytes
         self.mover = Mover(self.platform, parsed.pin_memory, max_pinned_bytes)
         self.components: dict[str, ComponentWeights] = {}
-        self.modules: dict[str, torch.nn.Module] = {}
         self.lock = threading.RLock()
         self._handles: list[HookHandle] = []
         self._delegate: SupportsModelCpuOffload | None = None
@@ -99,6 +98,12 @@ class ModelLevelOffloadBackend:
         self._enabled = False
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The managed component modules that are still alive, by name (held weakly)."""
+        live = {n: c.module_ref() for n, c in self.components.items()}
+        return {n: m for n, m in live.items() if m is not None}
 
     @property
     def stats(self) -> TransferStats:
@@ -136,6 +141,8 @@ class ModelLevelOffloadBackend:
                 hook and tensor was rolled back.
         """
         with self.lock:
+            if self._enabled and self._pipeline_ref is not None and self._pipeline() is None:
+                self.disable()  # its pipeline was deleted: start afresh
             if self._enabled:
                 if self._is_current(pipeline):
                     return
@@ -186,7 +193,6 @@ class ModelLevelOffloadBackend:
                 raise
             self._handles = []
             self.components = {}
-            self.modules = {}
             self._pipeline_ref = None
             self._enabled = False
 
@@ -196,9 +202,10 @@ class ModelLevelOffloadBackend:
         Checked: each tensor of a selected component is on the side its ``resident``
         flag says (device when resident, host when evicted) and each tensor of an
         unselected component, or shared with one, is on the device; a tensor that sits
-        in a component's modules but is not managed (and no pending structural change
-        explains it) is reported; and no two groups (a selected DiT, the selected
-        encoders) are resident at once. O(tensors); meant for tests and debugging.
+        in a component's modules but is not managed is reported, unless a pending
+        structural change explains it and it holds no device memory of an evicted
+        component; and no two groups (a selected DiT, the selected encoders) are
+        resident at once. O(tensors); meant for tests and debugging.
         """
         with self.lock:
             if not self._enabled or not self.components:
@@ -215,7 +222,9 @@ class ModelLevelOffloadBackend:
                     slot = table.slot_of(t)
                     on_dev = same_device(payload_of(t).device, device)
                     if slot is None or comp.name not in slot.owners:
-                        if not pending:
+                        # a pending change is adopted at the next activation, but a new
+                        # tensor of an evicted component must not hold device memory
+                        if not pending or (on_dev and comp.selected and not comp.resident):
                             out.append(
                                 f"{comp.name}: tensor {tname!r} is not managed by the backend "
                                 f"(on {payload_of(t).device})"
@@ -332,7 +341,6 @@ class ModelLevelOffloadBackend:
             raise
         txn.commit()
         self.components = weights
-        self.modules = {c.name: c.module for c in components}
         self._handles = handles
         self._enabled = True
 

@@ -16,7 +16,9 @@ Beside the ``forward`` wrapper, a ``HookHandle`` installs:
 
 * a forward pre-hook on every submodule of a selected component, so a direct call into
   a child (``pipe.text_encoder.encoder(...)``) loads the component first (O(1) when it
-  is resident);
+  is resident), and a guard on each submodule's ``_apply``, so ``block.to(...)`` cannot
+  move part of a component to the other side (dtype conversions such as diffusers'
+  layerwise casting pass);
 * a guard on the component's ``Module._apply`` (what ``module.to(...)``, ``.cuda()``,
   ``.half()`` and diffusers' ``pipe.to(...)`` call): a move to the offload device keeps
   the offload placement (nothing moves), a move elsewhere or a dtype change raises a
@@ -73,6 +75,7 @@ class SequentialOffloadHook:
         self.group = (component, *(c for c in companions if c is not component))
         self.lock = lock if lock is not None else threading.RLock()
         self.context_depth = 0  # open ``offload_component`` contexts of this module
+        self.active = True  # False once its handle is removed (``disable``)
         self.pre_forward = torch.compiler.disable(self.pre_forward)  # type: ignore[method-assign]
         self.activate = torch.compiler.disable(self.activate)  # type: ignore[method-assign]
         self.device = component.mover.device
@@ -83,7 +86,9 @@ class SequentialOffloadHook:
     def ready(self) -> bool:
         """Nothing to do before the module runs: its group is resident and unchanged and
         no excluded component is resident (O(group + exclusion), no tensor walk)."""
-        return all(c.ready for c in self.group) and not any(c.resident for c in self.exclusion)
+        return all(c.ready for c in self.group) and not any(
+            c.resident or c.generation != c.synced for c in self.exclusion
+        )
 
     def activate(self) -> bool:
         """Evict the exclusion set, then load the group (which synchronizes).
@@ -95,7 +100,7 @@ class SequentialOffloadHook:
         with self.lock:
             moved = False
             for other in self.exclusion:
-                if other.resident:
+                if other.resident or other.generation != other.synced:
                     moved = bool(other.evict()) or moved
             for member in self.group:
                 if not member.ready:
@@ -171,6 +176,7 @@ class HookHandle:
         self._saved: dict[str, Any] = {}
         self._child_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked_children: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._guarded_children: list[weakref.ref[nn.Module]] = []
         self._child_hooks = child_hooks
         self.apply_guard = self._make_apply_guard()
         # the entry points that run the module: forward, and a VAE's decode/encode
@@ -226,6 +232,37 @@ class HookHandle:
                 continue
             self._hooked_children.add(sub)
             self._child_handles.append(sub.register_forward_pre_hook(load_component))
+            if "_apply" not in sub.__dict__:
+                sub.__dict__["_apply"] = self._make_child_apply_guard(sub)
+                self._guarded_children.append(weakref.ref(sub))
+
+    def _make_child_apply_guard(self, sub: nn.Module) -> Callable[..., nn.Module]:
+        """``_apply`` of a submodule: conversions that keep the device (layerwise casting's
+        dtype changes) and moves to the side the component is on pass; a move to the
+        other side would split the component, and is refused naming ``disable()``."""
+        sub_ref = weakref.ref(sub)
+        handle = self
+
+        def child_apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+            mod = sub_ref()
+            if mod is None:
+                raise ReferenceError("the offloaded module was deleted")
+            hook = handle.hook
+            if handle.active and hook is not None:
+                device = hook.device
+                on_host = _probe_apply(fn, torch.float32, torch.device("cpu"))
+                on_device = _probe_apply(fn, torch.float32, device)
+                keeps = on_host.device.type == "cpu" and same_device(on_device.device, device)
+                side = device if hook.component.resident else torch.device("cpu")
+                if not keeps and not same_device(on_host.device, side):
+                    raise RuntimeError(
+                        f"a submodule of component {handle.name!r} (managed by model-level "
+                        f"offload, now on {side}) cannot be moved to {on_host.device} while "
+                        "offload is enabled; call backend.disable() first"
+                    )
+            return type(mod)._apply(mod, fn, recurse)
+
+        return child_apply
 
     # -- .to() / _apply ---------------------------------------------------------------
 
@@ -273,6 +310,9 @@ class HookHandle:
             self._saved[attr] = module.__dict__.get(attr)
             module.__dict__[attr] = value
         self.hook_children()
+        if self.hook is not None:
+            self.hook.active = True
+            self.hook.component.listeners.append(self._on_component)
         _REGISTRY[module] = weakref.ref(self)
 
     def reinstall(self) -> None:
@@ -281,12 +321,25 @@ class HookHandle:
         if self.module_ref() is not None:
             self.install()
 
+    def _on_component(self, event: str, component: ComponentWeights, seconds: float) -> None:
+        if event == "sync":  # submodules added since: they need the child pre-hook too
+            self.hook_children()
+
     def remove(self) -> None:
         """Uninstall: restore each wrapper if ours is outermost, else become a pass-through."""
         module = self.module_ref()
         self.active = False
+        if self.hook is not None:
+            self.hook.active = False
+            listeners = self.hook.component.listeners
+            if self._on_component in listeners:
+                listeners.remove(self._on_component)
         while self._child_handles:
             self._child_handles.pop().remove()
+        while self._guarded_children:
+            sub = self._guarded_children.pop()()
+            if sub is not None:
+                sub.__dict__.pop("_apply", None)
         self._hooked_children = weakref.WeakSet()
         if module is None:
             return
@@ -369,5 +422,5 @@ def offload_component(module: nn.Module) -> Iterator[nn.Module]:
     finally:
         with hook.lock:
             hook.context_depth -= 1
-            if hook.context_depth == 0:
+            if hook.context_depth == 0 and hook.active:  # disable() moves nothing
                 hook.component.evict()

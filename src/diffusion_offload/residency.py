@@ -93,7 +93,8 @@ class ComponentWeights:
         resident: True while the component's evictable tensors are on the device.
         generation: bumped by structural changes of the module tree; ``synced`` is the
             generation the slots reflect.
-        listeners: callables ``(event, component, seconds)`` told of loads and evictions.
+        listeners: callables ``(event, component, seconds)`` told of loads, evictions
+            and structural syncs (``"load"``, ``"evict"``, ``"sync"``).
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class ComponentWeights:
         self.generation = 0
         self.synced = 0
         self.listeners: list[Callable[[str, "ComponentWeights", float], None]] = []
+        weakref.finalize(module, _drop_slots, weakref.ref(self))
 
     @property
     def mover(self) -> Mover:
@@ -168,6 +170,8 @@ class ComponentWeights:
             self.table.disown(self.name, slot, txn)
         if fresh or dropped:
             self._register_modules()
+            for listener in self.listeners:
+                listener("sync", self, 0.0)
         previous = self.synced
         self.synced = generation
         txn.on_rollback(lambda: setattr(self, "synced", previous))
@@ -222,16 +226,18 @@ class ComponentWeights:
         """Point every evictable tensor back at its host copy; return the tensors moved.
 
         Unselected components never evict; tensors shared with resident components stay.
-        Unmodified tensors cost no copy; modified ones are written back first. All or
-        nothing, for any exception: on failure every tensor is resident as before.
+        Unmodified tensors cost no copy; modified ones are written back first. An evicted
+        component with a pending structural change is synced too, so tensors added to it
+        on the device leave. All or nothing, for any exception: on failure every tensor is
+        where it was.
         """
-        if not self.selected or not self.resident:
+        if not self.selected or not (self.resident or self.generation != self.synced):
             return 0
         start = time.perf_counter()
         mover = self.mover
         txn = Transaction()
         try:
-            self.sync(txn)
+            self.sync(txn)  # tensors added while evicted may sit on the device
             on_device = [s for s in self.slots if s.evictable and s.on_device(mover.device)]
             mover.evict(on_device, txn)
         except BaseException:
@@ -252,6 +258,18 @@ class ComponentWeights:
     def __repr__(self) -> str:
         state = "resident" if self.resident else "host"
         return f"ComponentWeights({self.name!r}, role={self.role!r}, {state})"
+
+
+def _drop_slots(ref: "weakref.ref[ComponentWeights]") -> None:
+    """The component's module was deleted: release its tensors (and their device copies)."""
+    comp = ref()
+    if comp is None:
+        return
+    txn = Transaction()
+    for slot in list(comp.slots):
+        comp.table.disown(comp.name, slot, txn)
+    txn.commit()
+    comp.resident = not comp.selected
 
 
 class WeightTable:
@@ -321,22 +339,23 @@ class WeightTable:
                 owners.setdefault(id(t), set()).add(comp)
                 objs[id(t)] = t
         touched: list[TensorSlot] = []
-        new_ev, new_fixed = [], []
+        # new tensors grouped by who owns them: tensors of different components never
+        # share a slot, even when they view one storage (each gets its own span of it)
+        fresh: dict[frozenset[str], list[torch.Tensor]] = {}
         for key, t in objs.items():
             slot = self._slot_of.get(key)
             if slot is not None:
                 self._own(slot, owners[key], txn)
                 touched.append(slot)
-            elif self._evictable(owners[key]):
-                new_ev.append(t)
             else:
-                new_fixed.append(t)
-        for evictable, group in ((True, new_ev), (False, new_fixed)):
+                fresh.setdefault(frozenset(owners[key]), []).append(t)
+        for names, group in fresh.items():
+            evictable = self._evictable(set(names))
             for slot in self.mover.group(group, txn, evictable):
                 for m in slot.members:
                     self._slot_of[id(m.obj)] = slot
                 txn.on_rollback(lambda s=slot: self._forget(s))
-                self._own(slot, set().union(*(owners[id(m.obj)] for m in slot.members)), txn)
+                self._own(slot, names, txn)
                 if not evictable:
                     self.mover.place(slot, txn)
         for slot in touched:

@@ -20,12 +20,12 @@ The rules (SPEC section 4, robustness contract):
   host->device once per storage; evicting an unmodified tensor rebinds it to its host
   view (no device->host copy), which frees the device copy at once.
 * **Writes are found by comparing bytes, on the device.** At load each tensor gets a
-  128-bit fingerprint of its device bytes (``fingerprint``); at eviction a tensor whose
-  ``_version`` moved, whose dtype/shape changed, or whose new fingerprint differs is
-  written back. The fingerprints of a whole component are compared on the device and
-  read back in one copy of one byte per tensor. ``.data`` in-place ops (invisible to
+  64-bit fingerprint of its device bytes (``fingerprint``), read back in one copy of 8
+  bytes per tensor per component; at eviction a tensor whose dtype/shape changed or whose
+  new fingerprint differs is written back. ``.data`` in-place ops (invisible to
   ``_version``), ``.data`` reassignment to equal bytes (layerwise casting: no write-back)
-  and to new bytes (written back) are all decided by the bytes themselves.
+  and to new bytes (written back), and in-place ops that leave the bytes as they were
+  (``add_(0)``: no write-back) are all decided by the bytes themselves.
 * Moves run with inference mode and autograd off, so host and device copies are
   ordinary tensors even when the caller is inside ``torch.inference_mode()``.
 """
@@ -254,11 +254,11 @@ class Member:
         dtype, shape, stride: the view's metadata in the host copy.
         offset: storage offset, in elements of ``dtype``, from the slot's span start.
         fp: the 64-bit fingerprint (a Python int, read back at load) of the payload as
-            loaded or as last written back, while resident; None while evicted.
-        version: ``obj._version`` when it was loaded.
+            loaded or as last written back, while resident; None while evicted (or when
+            the device had no room to compute it: the eviction then writes back).
     """
 
-    __slots__ = ("obj", "dtype", "shape", "stride", "offset", "fp", "version")
+    __slots__ = ("obj", "dtype", "shape", "stride", "offset", "fp")
 
     def __init__(self, obj: torch.Tensor, offset: int, stride: tuple[int, ...]) -> None:
         self.obj = obj
@@ -268,7 +268,6 @@ class Member:
         self.stride = stride
         self.offset = offset
         self.fp: int | None = None
-        self.version = 0
 
     @property
     def payload(self) -> torch.Tensor:
@@ -487,7 +486,9 @@ class Mover:
         if span.is_pinned():
             return span, True
         storage = span.untyped_storage()
-        if hostmem.pin_in_place(self.platform, storage):
+        # in place only when the span is the whole storage: registration covers a storage
+        # (its pages), and the pinned bytes counted must be the bytes pinned
+        if span.numel() == storage.nbytes() and hostmem.pin_in_place(self.platform, storage):
             txn.on_rollback(lambda: hostmem.unpin_in_place(self.platform, storage))
             return span, True
         try:  # a read-only mapping, or no in-place registration here: copy, per storage
@@ -594,7 +595,7 @@ class Mover:
         return fps
 
     def record(self, members: list[Member]) -> None:
-        """Remember the members' resident bytes (fingerprint, version): a load's last step.
+        """Remember the members' resident bytes (their fingerprints): a load's last step.
 
         With no device room left for the fingerprints' temporaries, the members keep no
         fingerprint, and their eviction writes them back (correct, at the cost of D2H).
@@ -605,7 +606,6 @@ class Mover:
             fps = [None] * len(members)
         for m, fp in zip(members, fps):
             m.fp = fp
-            m.version = m.payload._version
 
     def _take_host_writes(self, slot: TensorSlot) -> None:
         for m in slot.members:
@@ -621,6 +621,8 @@ class Mover:
                         "backend.disable() before changing aliased weights"
                     )
                 self._rehome(slot, m, p.contiguous() if not p.is_contiguous() else p)
+            elif p.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                view.copy_(p.clone())  # another view of the same storage: may overlap
             else:
                 view.copy_(p)
 
@@ -657,7 +659,7 @@ class Mover:
             for (slot, m), fp in zip(members, now):
                 p = m.payload
                 same_layout = p.dtype == m.dtype and tuple(p.shape) == m.shape
-                if same_layout and fp is not None and m.fp == fp and m.payload._version == m.version:
+                if same_layout and fp is not None and m.fp == fp:
                     continue  # unchanged: no copy
                 if same_layout:
                     slot.view(slot.host, m).copy_(
@@ -672,7 +674,7 @@ class Mover:
                         "backend.disable() before changing aliased weights"
                     )
                 written += _nbytes(p)
-                m.fp, m.version = fp, m.payload._version
+                m.fp = fp
             if written and not self.platform.blocking_d2h and any(s.pinned for s in slots):
                 self.platform.synchronize()
             for slot, m in members:
