@@ -116,9 +116,11 @@ class ModelLevelOffloadBackend:
         return self._enabled
 
     def __enter__(self) -> "ModelLevelOffloadBackend":
+        """``with ModelLevelOffloadBackend(...) as backend:``: the backend itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Disable on leaving the ``with`` block (also when it raised)."""
         self.disable()
 
     def enable(self, pipeline: Any) -> None:

@@ -276,6 +276,7 @@ class Member:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the current payload (numel x element size)."""
         return _nbytes(self.payload)
 
 
