@@ -6,8 +6,7 @@ Names are imported on first use (PEP 562), so the torch-free submodules (``media
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_exports
 
 __all__ = ["FitError", "GenerationOutput", "ModelError", "Omni", "SamplingParams", "pick_device"]
 
@@ -21,15 +20,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its submodule on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'diffusion_offload.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__, globals())
