@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shutil
@@ -79,13 +78,10 @@ def test_parse_bytes() -> None:
         parse_bytes("12XB")
 
 
-def test_max_pinned_memory_reaches_omni(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_max_pinned_memory_and_variant_reach_omni(monkeypatch: pytest.MonkeyPatch) -> None:
     from diffusion_offload.engine import omni
     from diffusion_offload.engine.requests import build_omni
 
-    if "max_pinned_bytes" not in inspect.signature(omni.Omni).parameters:
-        pytest.skip("Omni(max_pinned_bytes=...) is not in this engine yet (the core engine adds it); "
-                    "--max-pinned-memory answers with a one-line error until then")
     seen = {}
 
     class Recorder:
@@ -93,10 +89,8 @@ def test_max_pinned_memory_reaches_omni(monkeypatch: pytest.MonkeyPatch) -> None
             seen.update(kwargs)
 
     monkeypatch.setattr(omni, "Omni", Recorder)
-    monkeypatch.setattr(inspect, "signature", lambda obj: inspect.Signature(
-        [inspect.Parameter("max_pinned_bytes", inspect.Parameter.KEYWORD_ONLY)]))
-    build_omni("m", None, max_pinned_bytes=40 * 2**30)
-    assert seen["max_pinned_bytes"] == 40 * 2**30
+    build_omni("m", None, variant="fp16", max_pinned_bytes=40 * 2**30)
+    assert seen["max_pinned_bytes"] == 40 * 2**30 and seen["variant"] == "fp16"
 
 
 # ---------------------------------------------------------------------- model files

@@ -9,52 +9,17 @@ weight is read.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import diffusers
 
 __all__ = [
-    "ModelError", "ModelInfo", "default_variant", "inspect_model", "resolve_model",
+    "ModelError", "ModelInfo", "inspect_model", "resolve_model",
     "safetensors_numels", "weight_files",
 ]
-
-_DEFAULT_VARIANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "diffusion_offload_variant", default=None
-)
-
-
-@contextlib.contextmanager
-def default_variant(variant: str | None) -> Iterator[None]:
-    """Within the block, ``inspect_model`` and ``DiffusionPipeline.from_pretrained`` use
-    ``variant`` when none is given (the CLI's ``--variant`` for an ``Omni`` that takes no
-    ``variant=`` keyword). ``variant=None`` changes nothing.
-    """
-    if variant is None:
-        yield
-        return
-    from diffusers import DiffusionPipeline
-
-    token = _DEFAULT_VARIANT.set(variant)
-    original = DiffusionPipeline.__dict__["from_pretrained"]
-    func = original.__func__
-
-    def from_pretrained(cls, *args, **kwargs):
-        if _DEFAULT_VARIANT.get() is not None:
-            kwargs.setdefault("variant", _DEFAULT_VARIANT.get())
-        return func(cls, *args, **kwargs)
-
-    DiffusionPipeline.from_pretrained = classmethod(from_pretrained)
-    try:
-        yield
-    finally:
-        DiffusionPipeline.from_pretrained = original
-        _DEFAULT_VARIANT.reset(token)
 
 # bytes per element of the safetensors dtype names
 _DTYPE_BYTES = {
@@ -242,8 +207,6 @@ def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
             files of ``variant``, or a truncated, corrupt or unreadable weight file.
     """
     path = Path(path)
-    if variant is None:
-        variant = _DEFAULT_VARIANT.get()
     index = path / "model_index.json"
     if not index.is_file():
         raise ModelError(f"{str(path)!r} is not a diffusers pipeline: no model_index.json")

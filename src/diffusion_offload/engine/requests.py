@@ -178,25 +178,12 @@ def frames_for_seconds(seconds: float, fps: int, frame_step: int | None) -> int:
 
 def build_omni(model: str | Path, config: Any, *, variant: str | None = None,
                max_pinned_bytes: int | None = None, **kwargs: Any) -> Any:
-    """``Omni(model, config, **kwargs)``, with ``variant`` and ``max_pinned_bytes`` passed
-    where this ``Omni`` takes them.
-
-    An ``Omni`` without a ``variant`` keyword gets the variant through
-    :func:`~.model_files.default_variant` (file sizes and ``from_pretrained``).
+    """``Omni(model, config, variant=..., max_pinned_bytes=..., **kwargs)``: the engine of
+    ``generate`` and ``serve``, built in one place.
 
     Raises:
-        ValueError: ``max_pinned_bytes`` is given and this ``Omni`` does not support it.
         Whatever ``Omni`` raises.
     """
-    from .model_files import default_variant
     from .omni import Omni
 
-    params = inspect.signature(Omni).parameters
-    if max_pinned_bytes is not None:
-        if "max_pinned_bytes" not in params:
-            raise ValueError("--max-pinned-memory is not supported by this version of the engine")
-        kwargs["max_pinned_bytes"] = max_pinned_bytes
-    if variant is not None and "variant" in params:
-        return Omni(str(model), config, variant=variant, **kwargs)
-    with default_variant(variant):
-        return Omni(str(model), config, **kwargs)
+    return Omni(str(model), config, variant=variant, max_pinned_bytes=max_pinned_bytes, **kwargs)
