@@ -243,3 +243,31 @@ def test_interrupt_in_part_switch_after_every_move(fake_device, monkeypatch):
                 assert torch.equal(parts["b"](x.to(fake_device)).cpu(), ref_b)
             with sw.part("a"):
                 assert torch.equal(parts["a"](x.to(fake_device)).cpu(), ref_a)
+
+
+def test_ctrl_c_during_a_rollback_is_held_until_it_completes(fake_device, monkeypatch):
+    import os
+    import signal
+
+    ref = _reference(fake_device)
+    gc.collect()
+    base = set(fa.live_storages())
+    pipe, backend = _prepared(fake_device, "encoders")
+    inject = Interrupt(monkeypatch, 3)  # first interrupt: mid-load of the DiT
+    real = inject._real
+    state = {"n": 0}
+
+    def second_ctrl_c(obj, payload):  # a real SIGINT during the rollback's first move
+        inject(obj, payload)
+        if inject.fired:
+            state["n"] += 1
+            if state["n"] == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(transfer_mod, "_rebind", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        _dit_call(pipe, fake_device)
+    monkeypatch.setattr(transfer_mod, "_rebind", real)
+    assert state["n"] > 2  # the rollback went on after the signal
+    _check_consistent(pipe, backend, fake_device, base, ref)
+    backend.disable()

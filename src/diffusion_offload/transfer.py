@@ -32,9 +32,12 @@ The rules (SPEC section 4, robustness contract):
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -350,6 +353,26 @@ def _rebind(obj: torch.Tensor, payload: torch.Tensor) -> None:
     obj.data = payload
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold SIGINT for the body; raise ``KeyboardInterrupt`` after it if one came."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    except ValueError:  # not the main interpreter's main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt("interrupted during a rollback (the rollback completed)")
+
+
 class Transaction:
     """An undo log: every rebind made through it can be put back, in reverse order.
 
@@ -375,8 +398,13 @@ class Transaction:
         self._undo.append((None, fn))
 
     def rollback(self) -> None:
-        """Put every rebind back and run the undo callbacks, newest first."""
-        with torch.inference_mode(False), torch.no_grad():
+        """Put every rebind back and run the undo callbacks, newest first.
+
+        A Ctrl-C (SIGINT) that arrives during the rollback is held until it has finished,
+        then raised as ``KeyboardInterrupt`` (main thread; elsewhere signals do not
+        arrive anyway), so a second interrupt cannot leave a half-undone transition.
+        """
+        with _sigint_deferred(), torch.inference_mode(False), torch.no_grad():
             while self._undo:
                 obj, x = self._undo.pop()
                 if obj is None:
