@@ -91,6 +91,7 @@ class ModelLevelOffloadBackend:
         self.max_pinned_bytes = max_pinned_bytes
         self.mover = Mover(self.platform, parsed.pin_memory, max_pinned_bytes)
         self.components: dict[str, ComponentWeights] = {}
+        self._table: WeightTable | None = None
         self.lock = threading.RLock()
         self._handles: list[HookHandle] = []
         self._delegate: SupportsModelCpuOffload | None = None
@@ -195,6 +196,7 @@ class ModelLevelOffloadBackend:
                 raise
             self._handles = []
             self.components = {}
+            self._table = None
             self._pipeline_ref = None
             self._enabled = False
 
@@ -210,11 +212,11 @@ class ModelLevelOffloadBackend:
         resident at once. O(tensors); meant for tests and debugging.
         """
         with self.lock:
-            if not self._enabled or not self.components:
+            if not self._enabled or self._table is None:
                 return []
             out: list[str] = []
             device = self.device
-            table = next(iter(self.components.values())).table
+            table = self._table
             for comp in self.components.values():
                 module = comp.module_ref()
                 if module is None:
@@ -343,6 +345,7 @@ class ModelLevelOffloadBackend:
             raise
         txn.commit()
         self.components = weights
+        self._table = table
         self._handles = handles
         self._enabled = True
 

@@ -223,8 +223,12 @@ class HookHandle:
             return
         hook = self.hook
 
+        component = hook.component
+
         def load_component(mod: nn.Module, args: tuple) -> None:
-            if not hook.ready:
+            # O(1) on every submodule call: a resident component has no excluded
+            # component resident (the root's hook evicted them)
+            if not component.ready:
                 hook.activate()
 
         for sub in module.modules():

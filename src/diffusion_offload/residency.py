@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .platform import same_device
 from .transfer import Mover, TensorSlot, Transaction, payload_of
 
 __all__ = ["ComponentWeights", "WeightTable", "named_tensors"]
@@ -132,7 +133,15 @@ class ComponentWeights:
         """Resident with no structural change pending: nothing to do before it runs (O(1))."""
         return self.resident and self.generation == self.synced
 
-    def _notify(self, event: str, seconds: float) -> None:
+    def _count(self, event: str, start: float) -> None:
+        """Count a load or eviction that moved something (``start``: its perf_counter)."""
+        seconds = time.perf_counter() - start
+        stats = self.mover.stats
+        if event == "load":
+            stats.loads += 1
+        else:
+            stats.evictions += 1
+        stats.transfer_seconds += seconds
         for listener in self.listeners:
             listener(event, self, seconds)
 
@@ -171,7 +180,7 @@ class ComponentWeights:
         if fresh or dropped:
             self._register_modules()
             for listener in self.listeners:
-                listener("sync", self, 0.0)
+                listener("sync", self, 0.0)  # not a transfer: nothing counted
         previous = self.synced
         self.synced = generation
         txn.on_rollback(lambda: setattr(self, "synced", previous))
@@ -216,10 +225,7 @@ class ComponentWeights:
         txn.commit()
         self.resident = True
         if moved:
-            seconds = time.perf_counter() - start
-            mover.stats.loads += 1
-            mover.stats.transfer_seconds += seconds
-            self._notify("load", seconds)
+            self._count("load", start)
         return moved
 
     def evict(self) -> int:
@@ -249,10 +255,7 @@ class ComponentWeights:
                 m.fp = None
         self.resident = False
         if on_device:
-            seconds = time.perf_counter() - start
-            mover.stats.evictions += 1
-            mover.stats.transfer_seconds += seconds
-            self._notify("evict", seconds)
+            self._count("evict", start)
         return len(on_device)
 
     def __repr__(self) -> str:
@@ -314,9 +317,7 @@ class WeightTable:
                         f"component {comp!r}: tensor {tname!r} {tuple(p.shape)} is on the meta "
                         "device (never materialized); load its weights before enabling offload"
                     )
-                if p.device.type != "cpu" and (
-                    p.device.type != device.type or (p.device.index or 0) != (device.index or 0)
-                ):
+                if p.device.type != "cpu" and not same_device(p.device, device):
                     raise ValueError(
                         f"component {comp!r}: tensor {tname!r} is on {p.device}; offload to "
                         f"{device} handles tensors on the host or on {device} only"

@@ -113,12 +113,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_DTENSOR: list[type | None] = []  # resolved once: DTensor, or None without distributed
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except Exception:  # torch built without distributed
+            DTensor = None  # noqa: N806
+        _DTENSOR.append(DTensor)
+    cls = _DTENSOR[0]
+    return cls is not None and isinstance(t, cls)
 
 
 def payload_of(t: torch.Tensor) -> torch.Tensor:
@@ -477,9 +483,8 @@ class Mover:
         when allowed (no second copy), and a tensor on the device gets a host copy of its
         own through one D2H copy (counted in ``d2h_bytes``) and stays resident.
         Non-evictable tensors get no host copy: ``place`` puts them on the device for good.
-
-        Raises:
-            ValueError: a tensor is on a device other than the host and this device.
+        Every tensor must be on the host or on this device (``WeightTable.check_tensors``
+        checks that, with the component's and the tensor's names, before anything moves).
         """
         host_groups: dict[int, list[torch.Tensor]] = {}
         slots: list[TensorSlot] = []
@@ -487,11 +492,6 @@ class Mover:
             p = payload_of(obj)
             if p.device.type == "cpu":
                 host_groups.setdefault(p.untyped_storage().data_ptr() or id(p), []).append(obj)
-            elif not same_device(p.device, self.device):
-                raise ValueError(
-                    f"a tensor of shape {tuple(p.shape)} is on {p.device}; offload to "
-                    f"{self.device} handles tensors on the host or on {self.device} only"
-                )
             elif evictable:
                 slots.append(self._adopt_device(obj, txn))
             else:
