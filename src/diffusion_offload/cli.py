@@ -367,7 +367,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from .testing import tiny_pipelines
 
     try:
-        path = tiny_pipelines.save(args.kind, args.dir, seed=args.seed)
+        path = tiny_pipelines.save(args.kind, args.dir, seed=args.seed, num_layers=args.num_layers)
     except FileExistsError as exc:
         raise CliError(f"make-tiny: {exc}") from None
     except OSError as exc:

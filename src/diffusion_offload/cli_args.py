@@ -330,7 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("kind", choices=_TINY_KINDS, help=f"one of {', '.join(_TINY_KINDS)} (required)")
     tiny.add_argument("dir", help="a new or empty folder (required)")
     tiny.add_argument("--seed", type=_int("--seed", 0, 2**63 - 1), default=0,
-                      help="weights are a pure function of kind and seed (default: 0)")
+                      help="weights are a pure function of kind, seed and --num-layers (default: 0)")
+    tiny.add_argument("--num-layers", type=_int("--num-layers", 1, 1000), default=None, metavar="N",
+                      help="give every DiT N blocks, 1 to 1000 (Flux: N double and N single), for "
+                           "trying layer-wise offload; text encoders keep theirs (default: "
+                           "the tiny models' own depths, 1 to 2 blocks)")
     tiny.add_argument("--overwrite", action="store_true",
                       help="replace the folder if make-tiny wrote it earlier; never another "
                            "folder (default: refuse any non-empty folder)")

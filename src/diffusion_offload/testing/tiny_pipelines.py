@@ -8,10 +8,15 @@ one sub-folder per component, ``*.safetensors``, ``tokenizer.json``) as with a r
 
 Nothing is downloaded: tokenizers are built from small in-memory vocabularies and every
 model from its config with random weights. :func:`build` is deterministic for a given
-``(kind, seed)``: each component is initialised from its own seed derived from
+``(kind, seed, num_layers)``: each component is initialised from its own seed derived from
 ``(kind, component name, seed)``, under a forked RNG, so the caller's global RNG state is
 left untouched and the components do not depend on build order. Everything is float32, on
 the CPU, in ``eval()`` mode.
+
+``num_layers=N`` (for layer-wise offload tests, which need many blocks) gives every DiT N
+blocks (Flux: N double and N single blocks); :data:`DIT_BLOCKS` and :data:`ENCODER_BLOCKS`
+name the block lists and :func:`block_containers` returns them. The default (None) keeps
+the depths below and exactly the same weights as before the option existed.
 
 Kinds, pipeline classes and components (``name: class``):
 
@@ -39,9 +44,10 @@ Kinds, pipeline classes and components (``name: class``):
     ``text_encoder: Qwen2_5_VLForConditionalGeneration`` (with its tiny vision tower),
     ``tokenizer: Qwen2Tokenizer``, ``scheduler: FlowMatchEulerDiscreteScheduler``.
 
-All VAEs have 16 latent channels, as the real ones do. Each model component holds under
-400 KiB of float32 parameters (0.3 to 1.3 MiB per pipeline); a pipeline builds in about
-0.1 s and runs :func:`default_call_kwargs` in about 0.05 s on a CPU (after warm-up).
+All VAEs have 16 latent channels, as the real ones do. With the default depths each model
+component holds under 400 KiB of float32 parameters (0.3 to 1.3 MiB per pipeline); a
+pipeline builds in about 0.1 s and runs :func:`default_call_kwargs` in about 0.05 s on a
+CPU (after warm-up). With ``num_layers=8`` the largest DiT (Flux) is 1.7 MiB.
 
 The tokenizers are byte-level BPE (CLIP, Qwen2: any text, no unknown tokens) or
 character-level Unigram (T5: printable ASCII, anything else is ``<unk>``), each with a few
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import shutil
 import tempfile
@@ -63,13 +70,54 @@ from typing import Any
 
 import torch
 
-__all__ = ["KINDS", "build", "default_call_kwargs", "save"]
+__all__ = [
+    "DIT_BLOCKS",
+    "ENCODER_BLOCKS",
+    "KINDS",
+    "block_containers",
+    "build",
+    "check_num_layers",
+    "default_call_kwargs",
+    "kind_of",
+    "read_marker",
+    "save",
+]
 
-#: file that marks a folder written by :func:`save` (JSON: ``{"kind": ..., "seed": ...}``)
+#: file that marks a folder written by :func:`save`
+#: (JSON: ``{"kind": ..., "seed": ..., "num_layers": ...}``, see :func:`read_marker`)
 MARKER = "diffusion_offload_tiny.json"
 
 KINDS: tuple[str, ...] = ("wan2.1", "wan2.2", "flux", "sd3", "qwen-image")
 """The pipeline kinds :func:`build`, :func:`save` and :func:`default_call_kwargs` accept."""
+
+DIT_BLOCKS: dict[str, tuple[str, ...]] = {
+    "wan2.1": ("transformer.blocks",),
+    "wan2.2": ("transformer.blocks", "transformer_2.blocks"),
+    "flux": ("transformer.transformer_blocks", "transformer.single_transformer_blocks"),
+    "sd3": ("transformer.transformer_blocks",),
+    "qwen-image": ("transformer.transformer_blocks",),
+}
+"""Per kind, the dotted paths (from the pipeline) of every DiT's ``nn.ModuleList`` of blocks.
+
+Each holds ``num_layers`` blocks when :func:`build` is given ``num_layers``; with the
+default depths: Wan 2, Flux 1 (double) and 2 (single), SD3 2, Qwen-Image 2."""
+
+ENCODER_BLOCKS: dict[str, tuple[str, ...]] = {
+    "wan2.1": ("text_encoder.encoder.block",),
+    "wan2.2": ("text_encoder.encoder.block",),
+    "flux": ("text_encoder.encoder.layers", "text_encoder_2.encoder.block"),
+    "sd3": (
+        "text_encoder.text_model.encoder.layers",
+        "text_encoder_2.text_model.encoder.layers",
+        "text_encoder_3.encoder.block",
+    ),
+    "qwen-image": ("text_encoder.model.language_model.layers", "text_encoder.model.visual.blocks"),
+}
+"""Per kind, the dotted paths of the text encoders' ``nn.ModuleList`` s of blocks (2 each,
+whatever ``num_layers``), as laid out by transformers 5: T5/UMT5 ``encoder.block``;
+``CLIPTextModel`` (Flux) ``encoder.layers`` (transformers 5 has no ``text_model`` level
+there); ``CLIPTextModelWithProjection`` (SD3) ``text_model.encoder.layers``;
+Qwen2.5-VL ``model.language_model.layers`` and its vision tower ``model.visual.blocks``."""
 
 # fmt: off
 # Common words given whole-word tokens, so that prompts tokenize like natural text.
@@ -380,7 +428,7 @@ def _flow_match_scheduler(**kwargs: Any):
 # --------------------------------------------------------------------------- pipelines
 
 
-def _wan_transformer():
+def _wan_transformer(num_layers: int | None = None):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
@@ -392,31 +440,33 @@ def _wan_transformer():
         text_dim=32,
         freq_dim=256,
         ffn_dim=32,
-        num_layers=2,
+        num_layers=2 if num_layers is None else num_layers,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
 
 
-def _build_wan(kind: str, seed: int):
+def _build_wan(kind: str, seed: int, num_layers: int | None):
     from diffusers import WanPipeline
 
     tokenizer = _t5_tokenizer()
     components: dict[str, Any] = {
         "tokenizer": tokenizer,
         "text_encoder": _seeded(kind, "text_encoder", seed, lambda: _umt5_encoder(len(tokenizer))),
-        "transformer": _seeded(kind, "transformer", seed, _wan_transformer),
+        "transformer": _seeded(kind, "transformer", seed, lambda: _wan_transformer(num_layers)),
         "vae": _seeded(kind, "vae", seed, _wan_vae),
         "scheduler": _wan_scheduler(),
     }
     if kind == "wan2.2":
-        components["transformer_2"] = _seeded(kind, "transformer_2", seed, _wan_transformer)
+        components["transformer_2"] = _seeded(
+            kind, "transformer_2", seed, lambda: _wan_transformer(num_layers)
+        )
         return WanPipeline(**components, boundary_ratio=0.875)
     return WanPipeline(**components)
 
 
-def _build_flux(kind: str, seed: int):
+def _build_flux(kind: str, seed: int, num_layers: int | None):
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
@@ -447,8 +497,8 @@ def _build_flux(kind: str, seed: int):
             lambda: FluxTransformer2DModel(
                 patch_size=1,
                 in_channels=64,  # 16 latent channels packed 2x2
-                num_layers=1,
-                num_single_layers=2,
+                num_layers=1 if num_layers is None else num_layers,
+                num_single_layers=2 if num_layers is None else num_layers,
                 attention_head_dim=16,
                 num_attention_heads=2,
                 joint_attention_dim=32,  # T5 d_model
@@ -460,7 +510,7 @@ def _build_flux(kind: str, seed: int):
     )
 
 
-def _build_sd3(kind: str, seed: int):
+def _build_sd3(kind: str, seed: int, num_layers: int | None):
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
@@ -476,7 +526,7 @@ def _build_sd3(kind: str, seed: int):
                 sample_size=16,
                 patch_size=2,
                 in_channels=16,
-                num_layers=2,
+                num_layers=2 if num_layers is None else num_layers,
                 attention_head_dim=8,
                 num_attention_heads=4,
                 joint_attention_dim=96,  # T5 d_model (>= 32 + 48, the CLIP widths)
@@ -509,7 +559,7 @@ def _build_sd3(kind: str, seed: int):
     )
 
 
-def _build_qwen_image(kind: str, seed: int):
+def _build_qwen_image(kind: str, seed: int, num_layers: int | None):
     from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 
     tokenizer = _qwen2_tokenizer()
@@ -546,7 +596,7 @@ def _build_qwen_image(kind: str, seed: int):
                 patch_size=2,
                 in_channels=64,  # 16 latent channels packed 2x2
                 out_channels=16,
-                num_layers=2,
+                num_layers=2 if num_layers is None else num_layers,
                 attention_head_dim=16,
                 num_attention_heads=2,
                 joint_attention_dim=32,  # text encoder hidden size
@@ -557,7 +607,7 @@ def _build_qwen_image(kind: str, seed: int):
     )
 
 
-_BUILDERS: dict[str, Callable[[str, int], Any]] = {
+_BUILDERS: dict[str, Callable[[str, int, int | None], Any]] = {
     "wan2.1": _build_wan,
     "wan2.2": _build_wan,
     "flux": _build_flux,
@@ -570,13 +620,50 @@ def _modules(pipe: Any) -> Iterable[torch.nn.Module]:
     return (c for c in pipe.components.values() if isinstance(c, torch.nn.Module))
 
 
-def build(kind: str, seed: int = 0):
+def check_num_layers(num_layers: object) -> int | None:
+    """Validate a block count for :func:`build` / :func:`save`; return it as an ``int``.
+
+    Args:
+        num_layers: None (each DiT keeps its default depth) or an integer >= 1 (a Python
+            ``int`` or any :class:`numbers.Integral`, e.g. a NumPy integer; not a bool).
+
+    Returns:
+        None, or ``int(num_layers)``.
+
+    Raises:
+        TypeError: ``num_layers`` is not None and not an integer (bools are refused too).
+        ValueError: ``num_layers`` is an integer below 1.
+    """
+    if num_layers is None:
+        return None
+    if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral):
+        raise TypeError(
+            f"num_layers must be None or an integer >= 1, got {num_layers!r} "
+            f"({type(num_layers).__name__})"
+        )
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be None or an integer >= 1, got {num_layers!r}")
+    return int(num_layers)
+
+
+def build(kind: str, seed: int = 0, num_layers: int | None = None):
     """Build the tiny random-weight pipeline ``kind`` in memory.
 
     Args:
         kind: one of :data:`KINDS`.
-        seed: weights are a pure function of ``(kind, seed)``; the caller's global torch RNG
-            state is preserved.
+        seed: weights are a pure function of ``(kind, seed, num_layers)``; the caller's
+            global torch RNG state is preserved.
+        num_layers: None (default) keeps the default depths (Wan 2 blocks, Flux 1 double +
+            2 single blocks, SD3 2, Qwen-Image 2), with exactly the weights this function
+            has always built for ``(kind, seed)``. An integer N >= 1 gives every DiT N
+            blocks: Wan ``transformer.blocks`` (Wan2.2: ``transformer_2.blocks`` too), Flux
+            ``transformer.transformer_blocks`` *and* ``transformer.single_transformer_blocks``,
+            SD3 and Qwen-Image ``transformer.transformer_blocks`` (see :data:`DIT_BLOCKS`).
+            Text encoders, VAEs and everything else are unchanged. Float32 bytes per
+            block: Wan 26 KiB, SD3 and Qwen-Image ~150 KiB (SD3's last, context-only block
+            ~95 KiB), Flux 148 KiB double + 61 KiB single; N=8 builds in a fraction of a
+            second. The weights depend on ``num_layers`` (an explicit N equal to a default
+            depth gives the default weights for Wan, SD3 and Qwen-Image, not for Flux).
 
     Returns:
         A :class:`diffusers.DiffusionPipeline` (``WanPipeline``, ``FluxPipeline``,
@@ -586,14 +673,16 @@ def build(kind: str, seed: int = 0):
         component names are listed in the module docstring.
 
     Raises:
-        ValueError: ``kind`` is not in :data:`KINDS`.
+        ValueError: ``kind`` is not in :data:`KINDS`, or ``num_layers`` < 1.
+        TypeError: ``num_layers`` is neither None nor an integer.
     """
     _check_kind(kind)
+    num_layers = check_num_layers(num_layers)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
         with torch.random.fork_rng(devices=[]):
-            pipe = _BUILDERS[kind](kind, seed)
+            pipe = _BUILDERS[kind](kind, seed, num_layers)
     finally:
         torch.set_default_dtype(default_dtype)
     for module in _modules(pipe):
@@ -602,7 +691,9 @@ def build(kind: str, seed: int = 0):
     return pipe
 
 
-def save(kind: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
+def save(
+    kind: str, directory: str | os.PathLike[str], seed: int = 0, num_layers: int | None = None
+) -> Path:
     """Build ``kind`` and ``save_pretrained`` it (safetensors) to ``directory``, atomically.
 
     The pipeline is written to a temporary directory beside ``directory`` (same parent, so
@@ -613,24 +704,30 @@ def save(kind: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
     one. Any other existing directory is refused, never deleted. Missing parent
     directories are created. The result loads offline with
     ``DiffusionPipeline.from_pretrained(directory)`` and carries :data:`MARKER`, a JSON file
-    naming its kind (see :func:`kind_of`).
+    ``{"kind": str, "seed": int, "num_layers": int | null}`` (see :func:`kind_of` and
+    :func:`read_marker`). The block counts also live in each DiT's own ``config.json``
+    (``num_layers``, and Flux's ``num_single_layers``), so the folder loads back with them.
 
     Args:
         kind: one of :data:`KINDS`.
         directory: where the pipeline folder (``model_index.json`` and one sub-folder per
             component) ends up.
         seed: as for :func:`build`.
+        num_layers: as for :func:`build` (None: the default depths).
 
     Returns:
         ``Path(directory)``.
 
     Raises:
-        ValueError: ``kind`` is not in :data:`KINDS` (nothing is written).
+        ValueError: ``kind`` is not in :data:`KINDS`, or ``num_layers`` < 1 (nothing is
+            written).
+        TypeError: ``num_layers`` is neither None nor an integer (nothing is written).
         FileExistsError: ``directory`` exists, is not empty and is not a tiny pipeline.
         OSError: the directory cannot be written or replaced (e.g. ``directory`` is an
             existing file: :class:`NotADirectoryError`); the temporary directory is removed.
     """
     _check_kind(kind)
+    num_layers = check_num_layers(num_layers)
     target = Path(directory)
     if target.is_dir() and any(target.iterdir()) and not (target / MARKER).is_file():
         raise FileExistsError(
@@ -639,13 +736,14 @@ def save(kind: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
         )
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"{str(target)!r} exists and is not a folder")
-    pipe = build(kind, seed)
+    pipe = build(kind, seed, num_layers)
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
-        (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed}))
+        marker = {"kind": kind, "seed": int(seed), "num_layers": num_layers}
+        (tmp / MARKER).write_text(json.dumps(marker))
         _replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -674,11 +772,69 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 def kind_of(directory: str | os.PathLike[str]) -> str | None:
     """The kind of a pipeline folder written by :func:`save`, or None for any other folder."""
+    marker = read_marker(directory)
+    return None if marker is None else marker["kind"]
+
+
+def read_marker(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """What :func:`save` recorded about a pipeline folder, or None for any other folder.
+
+    Returns:
+        ``{"kind": str, "seed": int | None, "num_layers": int | None}``: ``kind`` is in
+        :data:`KINDS`; ``seed`` is None when not recorded; ``num_layers`` is None for the
+        default depths (also for folders written before the key existed). None when
+        :data:`MARKER` is missing, unreadable, not a JSON object or names no known kind.
+        A malformed ``seed`` or ``num_layers`` reads as None.
+    """
     try:
-        kind = json.loads((Path(directory) / MARKER).read_text())["kind"]
+        data = json.loads((Path(directory) / MARKER).read_text())
+        kind = data["kind"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return kind if kind in KINDS else None
+    if not isinstance(kind, str) or kind not in KINDS:
+        return None
+
+    def integer(value: object, minimum: int) -> int | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+        return value if ok else None  # type: ignore[return-value]
+
+    return {
+        "kind": kind,
+        "seed": integer(data.get("seed"), 0),
+        "num_layers": integer(data.get("num_layers"), 1),
+    }
+
+
+def block_containers(
+    pipe: Any, kind: str, encoders: bool = False
+) -> dict[str, torch.nn.ModuleList]:
+    """The block lists of a pipeline built by :func:`build` (or loaded from :func:`save`).
+
+    Args:
+        pipe: a pipeline of kind ``kind``.
+        kind: one of :data:`KINDS`.
+        encoders: also include the text encoders' block lists (:data:`ENCODER_BLOCKS`).
+
+    Returns:
+        ``{dotted path: nn.ModuleList}`` in the order of :data:`DIT_BLOCKS` (then
+        :data:`ENCODER_BLOCKS`); paths start at the pipeline's component names.
+
+    Raises:
+        ValueError: ``kind`` is not in :data:`KINDS`.
+        AttributeError: ``pipe`` lacks one of the paths (not a pipeline of this kind).
+        TypeError: a path does not lead to an ``nn.ModuleList``.
+    """
+    _check_kind(kind)
+    paths = DIT_BLOCKS[kind] + (ENCODER_BLOCKS[kind] if encoders else ())
+    out: dict[str, torch.nn.ModuleList] = {}
+    for path in paths:
+        obj = pipe
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        if not isinstance(obj, torch.nn.ModuleList):
+            raise TypeError(f"{path} is a {type(obj).__name__}, not an nn.ModuleList")
+        out[path] = obj
+    return out
 
 
 def default_call_kwargs(kind: str) -> dict[str, Any]:
