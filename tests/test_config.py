@@ -480,9 +480,23 @@ def test_round_trip_property(components, pin_memory, mode, as_json):
 # ----------------------------------------------------------------------------- backend
 
 
-def test_layer_mode_backend_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="layer"):
+def test_each_backend_refuses_the_other_mode_naming_the_right_one():
+    from diffusion_offload import LayerwiseOffloadBackend
+
+    with pytest.raises(ValueError, match="LayerwiseOffloadBackend"):
         ModelLevelOffloadBackend({"mode": "layer", "components": ["dit"]}, "cpu")
+    with pytest.raises(ValueError, match="ModelLevelOffloadBackend"):
+        LayerwiseOffloadBackend({"mode": "module", "components": ["dit"]}, "cpu")
+
+
+def test_layer_backend_refuses_allgather_naming_distributed_layer_offload():
+    from diffusion_offload import LayerwiseOffloadBackend
+
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+    with pytest.raises(NotImplementedError, match="distributed layer offload"):
+        LayerwiseOffloadBackend(config, "cpu")
+    ok = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "rank-local"}}}
+    assert LayerwiseOffloadBackend(ok, "cpu").config.mode == "layer"
 
 
 def test_backend_validates_config_first():

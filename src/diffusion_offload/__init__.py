@@ -1,4 +1,5 @@
-"""diffusion_offload: run diffusion pipelines larger than one accelerator by model-level offload.
+"""diffusion_offload: run diffusion pipelines larger than one accelerator by model-level offload
+(or, in layer mode, by streaming DiT blocks).
 
 Only the executing component group (DiTs or text encoders) sits on the accelerator; the
 rest waits in pinned host memory; VAEs stay resident. See README.md and docs/.
@@ -14,6 +15,7 @@ from ._lazy import lazy_exports
 __all__ = [
     "DiffusionOffloadConfig",
     "GenerationOutput",
+    "LayerwiseOffloadBackend",
     "ModelLevelOffloadBackend",
     "Omni",
     "PartSwitcher",
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 # public name -> the submodule that defines it
 _LAZY = {
     "ModelLevelOffloadBackend": ".backend",
+    "LayerwiseOffloadBackend": ".layer_backend",
     "DiffusionOffloadConfig": ".config",
     "parse_diffusion_offload_config": ".config",
     "SupportsComponentDiscovery": ".discovery",

@@ -36,12 +36,17 @@ _ENCODER_ROLES = ("text_encoder", "encoder")
 _STAGE_ROLES = ("dit", "text_encoder", "encoder", "vae")
 
 
-class ModelLevelOffloadBackend:
-    """Model-level offload: one hook per execution-stage module, mutual exclusion of groups.
+class OffloadBackendBase:
+    """What every offload backend shares: config, device, mover, lifecycle.
+
+    ``enable`` / ``disable`` / ``is_enabled`` / context-manager use / ``stats`` /
+    ``modules`` behave the same in every mode; a mode implements ``_enable`` (validate,
+    establish the placement and install hooks, all in one transaction) and ``audit``.
+    Subclasses set ``MODE``.
 
     Args:
         config: a ``DiffusionOffloadConfig`` or a mapping/JSON accepted by
-            ``parse_diffusion_offload_config`` (``mode`` must be ``"module"``).
+            ``parse_diffusion_offload_config`` (``mode`` must be the subclass's ``MODE``).
         device: the accelerator (``"cuda"``, ``"cuda:1"``, ``"fakegpu"``...). On ``cpu``
             offload is a documented no-op: ``enable`` installs nothing.
         component_roles: role overrides for discovery (name -> role).
@@ -54,9 +59,11 @@ class ModelLevelOffloadBackend:
     b.enable(pipe)`` disables on exit.
 
     Raises:
-        TypeError, ValueError: an invalid config, device or ``max_pinned_bytes``.
-        NotImplementedError: ``mode="layer"`` (not implemented yet).
+        TypeError, ValueError: an invalid config, device or ``max_pinned_bytes``; a
+            config whose ``mode`` belongs to the other backend (named).
     """
+
+    MODE = ""
 
     def __init__(
         self,
@@ -70,10 +77,11 @@ class ModelLevelOffloadBackend:
         parsed = parse_diffusion_offload_config(config)
         if parsed is None:
             raise ValueError("config must not be None; pass a diffusion_offload_config")
-        if parsed.mode != "module":
-            raise NotImplementedError(
-                f"mode={parsed.mode!r} has no backend yet; ModelLevelOffloadBackend "
-                "implements mode='module'"
+        if parsed.mode != self.MODE:
+            other = "LayerwiseOffloadBackend" if parsed.mode == "layer" else "ModelLevelOffloadBackend"
+            raise ValueError(
+                f"mode={parsed.mode!r} is run by {other}; {type(self).__name__} implements "
+                f"mode={self.MODE!r}"
             )
         if max_pinned_bytes is not None and (
             isinstance(max_pinned_bytes, bool) or not isinstance(max_pinned_bytes, int)
@@ -116,7 +124,7 @@ class ModelLevelOffloadBackend:
         """Whether ``enable`` has completed and ``disable`` has not."""
         return self._enabled
 
-    def __enter__(self) -> "ModelLevelOffloadBackend":
+    def __enter__(self) -> "OffloadBackendBase":
         """``with ModelLevelOffloadBackend(...) as backend:``: the backend itself."""
         return self
 
@@ -200,56 +208,6 @@ class ModelLevelOffloadBackend:
             self._pipeline_ref = None
             self._enabled = False
 
-    def audit(self) -> list[str]:
-        """Every breach of the residency invariant; ``[]`` when all holds.
-
-        Checked: each tensor of a selected component is on the side its ``resident``
-        flag says (device when resident, host when evicted) and each tensor of an
-        unselected component, or shared with one, is on the device; a tensor that sits
-        in a component's modules but is not managed is reported, unless a pending
-        structural change explains it and it holds no device memory of an evicted
-        component; and no two groups (a selected DiT, the selected encoders) are
-        resident at once. O(tensors); meant for tests and debugging.
-        """
-        with self.lock:
-            if not self._enabled or self._table is None:
-                return []
-            out: list[str] = []
-            device = self.device
-            table = self._table
-            for comp in self.components.values():
-                module = comp.module_ref()
-                if module is None:
-                    continue
-                pending = comp.generation != comp.synced
-                for tname, t in named_tensors(module):
-                    slot = table.slot_of(t)
-                    on_dev = same_device(payload_of(t).device, device)
-                    if slot is None or comp.name not in slot.owners:
-                        # a pending change is adopted at the next activation, but a new
-                        # tensor of an evicted component must not hold device memory
-                        if not pending or (on_dev and comp.selected and not comp.resident):
-                            out.append(
-                                f"{comp.name}: tensor {tname!r} is not managed by the backend "
-                                f"(on {payload_of(t).device})"
-                            )
-                        continue
-                    want_dev = (not slot.evictable) or comp.resident
-                    if on_dev != want_dev:
-                        out.append(
-                            f"{comp.name}: tensor {tname!r} is on {payload_of(t).device} but "
-                            f"should be on {'the device' if want_dev else 'the host'} "
-                            f"(resident={comp.resident}, evictable={slot.evictable})"
-                        )
-            groups: dict[str, list[str]] = {}
-            for comp in self.components.values():
-                if comp.selected and comp.resident and comp.role != "vae":
-                    key = "encoders" if comp.role in _ENCODER_ROLES else comp.name
-                    groups.setdefault(key, []).append(comp.name)
-            if len(groups) > 1:
-                out.append(f"more than one group is resident: {sorted(groups.values())}")
-            return out
-
     # ------------------------------------------------------------------ internals
 
     def _remember(self, pipeline: Any) -> None:
@@ -310,6 +268,93 @@ class ModelLevelOffloadBackend:
                 stacklevel=4,
             )
 
+    def _restore(self, original: list[tuple[Any, bool]]) -> None:
+        """Put evictable slots back on the side they were on (a rolled-back ``enable``)."""
+        mover = self.mover
+        for slot, was_on_device in original:
+            now = slot.on_device(self.device)
+            if was_on_device and not now:
+                mover.load(slot, Transaction())
+            elif now and not was_on_device:
+                mover.evict([slot], Transaction())
+
+    def _enable(self, components: list[Component]) -> None:
+        """Validate, place and hook ``components`` in one transaction (per mode)."""
+        raise NotImplementedError
+
+    def _check_selection(self, components: list[Component]) -> None:
+        """Refuse a selection the pipeline cannot honour, before anything moves."""
+        raise NotImplementedError
+
+    def _enable_delegated(self, pipeline: SupportsModelCpuOffload) -> None:
+        raise ValueError(
+            f"{type(pipeline).__name__} manages its own offload (SupportsModelCpuOffload), "
+            f"which implements mode='module' only; {type(self).__name__} cannot run it"
+        )
+
+
+class ModelLevelOffloadBackend(OffloadBackendBase):
+    """Model-level offload: one hook per execution-stage module, mutual exclusion of groups.
+
+    Args: see ``OffloadBackendBase`` (``config``'s ``mode`` must be ``"module"``).
+
+    Raises:
+        TypeError, ValueError: an invalid config (``mode="layer"``: use
+            ``LayerwiseOffloadBackend``), device or ``max_pinned_bytes``.
+    """
+
+    MODE = "module"
+
+    def audit(self) -> list[str]:
+        """Every breach of the residency invariant; ``[]`` when all holds.
+
+        Checked: each tensor of a selected component is on the side its ``resident``
+        flag says (device when resident, host when evicted) and each tensor of an
+        unselected component, or shared with one, is on the device; a tensor that sits
+        in a component's modules but is not managed is reported, unless a pending
+        structural change explains it and it holds no device memory of an evicted
+        component; and no two groups (a selected DiT, the selected encoders) are
+        resident at once. O(tensors); meant for tests and debugging.
+        """
+        with self.lock:
+            if not self._enabled or self._table is None:
+                return []
+            out: list[str] = []
+            device = self.device
+            table = self._table
+            for comp in self.components.values():
+                module = comp.module_ref()
+                if module is None:
+                    continue
+                pending = comp.generation != comp.synced
+                for tname, t in named_tensors(module):
+                    slot = table.slot_of(t)
+                    on_dev = same_device(payload_of(t).device, device)
+                    if slot is None or comp.name not in slot.owners:
+                        # a pending change is adopted at the next activation, but a new
+                        # tensor of an evicted component must not hold device memory
+                        if not pending or (on_dev and comp.selected and not comp.resident):
+                            out.append(
+                                f"{comp.name}: tensor {tname!r} is not managed by the backend "
+                                f"(on {payload_of(t).device})"
+                            )
+                        continue
+                    want_dev = (not slot.evictable) or comp.resident
+                    if on_dev != want_dev:
+                        out.append(
+                            f"{comp.name}: tensor {tname!r} is on {payload_of(t).device} but "
+                            f"should be on {'the device' if want_dev else 'the host'} "
+                            f"(resident={comp.resident}, evictable={slot.evictable})"
+                        )
+            groups: dict[str, list[str]] = {}
+            for comp in self.components.values():
+                if comp.selected and comp.resident and comp.role != "vae":
+                    key = "encoders" if comp.role in _ENCODER_ROLES else comp.name
+                    groups.setdefault(key, []).append(comp.name)
+            if len(groups) > 1:
+                out.append(f"more than one group is resident: {sorted(groups.values())}")
+            return out
+
     def _enable(self, components: list[Component]) -> None:
         selected = {c.name: self.config.offloads_role(c.role) for c in components}
         named = {c.name: named_tensors(c.module) for c in components}
@@ -368,16 +413,6 @@ class ModelLevelOffloadBackend:
             if not (w.selected and w.role == "dit"):
                 w.load()
         self.platform.synchronize()
-
-    def _restore(self, original: list[tuple[Any, bool]]) -> None:
-        """Put evictable slots back on the side they were on (a rolled-back ``enable``)."""
-        mover = self.mover
-        for slot, was_on_device in original:
-            now = slot.on_device(self.device)
-            if was_on_device and not now:
-                mover.load(slot, Transaction())
-            elif now and not was_on_device:
-                mover.evict([slot], Transaction())
 
     def _enable_delegated(self, pipeline: SupportsModelCpuOffload) -> None:
         kwargs: dict[str, Any] = {

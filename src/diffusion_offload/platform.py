@@ -22,6 +22,8 @@ exercised in the unit tests against a mocked torch module only (no such hardware
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,9 +86,13 @@ class Platform:
         is_noop: offload does nothing on this platform (CPU: host and device are one).
         locks_host_memory: pinning page-locks real host memory (the process's
             ``RLIMIT_MEMLOCK`` may matter); False for the simulated fake device.
+        has_streams: the device module has ``Stream``/``Event``/``stream()`` with
+            ``torch.cuda``'s semantics (CUDA, XPU, NPU, the fake device); layer mode then
+            copies on a side stream. Elsewhere copies are synchronous.
     """
 
     supports_pinning: bool = False
+    has_streams: bool = False
     locks_host_memory: bool = True
     blocking_d2h: bool = False
     is_noop: bool = False
@@ -137,6 +143,35 @@ class Platform:
         """Undo ``host_register(ptr, ...)``."""
         return None
 
+    # -- streams (``has_streams`` platforms; None / no-ops elsewhere) ------------------
+
+    def new_stream(self) -> Any:
+        """A new side stream on the device (``torch.cuda.Stream(device)``), or None."""
+        if not self.has_streams:
+            return None
+        return self._module.Stream(device=self.device)
+
+    def current_stream(self) -> Any:
+        """The stream device work is queued on now (``torch.cuda.current_stream``), or None."""
+        if not self.has_streams:
+            return None
+        return self._module.current_stream(self.device)
+
+    def new_event(self) -> Any:
+        """A new event (``torch.cuda.Event()``), or None."""
+        if not self.has_streams:
+            return None
+        return self._module.Event()
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        """Queue device work of the ``with`` body on ``stream`` (None: the current one)."""
+        if stream is None or not self.has_streams:
+            yield
+            return
+        with self._module.stream(stream):
+            yield
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
 
@@ -145,6 +180,7 @@ class CudaPlatform(Platform):
     """NVIDIA CUDA and AMD ROCm (HIP builds expose the ``cuda`` device type)."""
 
     supports_pinning = True
+    has_streams = True
 
     def host_register(self, ptr: int, nbytes: int) -> bool:
         """``cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault)``; False on any error."""
@@ -168,6 +204,7 @@ class XpuPlatform(Platform):
     """Intel XPU. Device->host copies are blocking (mocked in tests; no XPU here)."""
 
     supports_pinning = True
+    has_streams = True
     blocking_d2h = True
 
 
@@ -175,6 +212,7 @@ class NpuPlatform(Platform):
     """Ascend NPU through ``torch_npu`` (mocked in tests; no NPU here)."""
 
     supports_pinning = True
+    has_streams = True
 
 
 class MpsPlatform(Platform):
@@ -199,6 +237,11 @@ class FakePlatform(Platform):
 
     supports_pinning = True
     locks_host_memory = False
+
+    @property
+    def has_streams(self) -> bool:  # type: ignore[override]
+        """The fake device models streams and events (and catches races between them)."""
+        return hasattr(self._module, "Stream")
 
     def host_register(self, ptr: int, nbytes: int) -> bool:
         """Simulated in-place pinning: the storage at ``ptr`` reports ``is_pinned()``."""

@@ -30,15 +30,29 @@ from .transfer import Mover, TensorSlot, Transaction, payload_of
 __all__ = ["ComponentWeights", "WeightTable", "named_tensors"]
 
 
-def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _walk(module: nn.Module, skip: "weakref.WeakSet[nn.Module]", prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
+    """``named_modules(remove_duplicate=False)`` without the subtrees rooted in ``skip``."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is None or child in skip:
+            continue
+        yield from _walk(child, skip, f"{prefix}.{name}" if prefix else name)
+
+
+def named_tensors(
+    module: nn.Module, skip: "weakref.WeakSet[nn.Module] | None" = None
+) -> list[tuple[str, torch.Tensor]]:
     """Every distinct parameter and buffer object of ``module`` with its first dotted name.
 
     Persistent and non-persistent buffers are included; a tensor registered in several
     places (tied weights) appears once, under its first name in ``named_modules`` order.
+    ``skip``: submodules whose subtrees are left out (layer mode's streamed blocks, which
+    are components of their own).
     """
     seen: set[int] = set()
     out: list[tuple[str, torch.Tensor]] = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
+    walk = module.named_modules(remove_duplicate=False) if not skip else _walk(module, skip)
+    for prefix, sub in walk:
         for store in (sub._parameters, sub._buffers):
             for name, t in store.items():
                 if t is not None and id(t) not in seen:
@@ -88,6 +102,8 @@ class ComponentWeights:
         selected: True if the config selects this component for offload.
         module: the component's module (held weakly).
         table: the backend's ``WeightTable``.
+        skip: submodules whose tensors belong to other components (layer mode: a DiT's
+            streamed blocks are not part of its resident trunk).
 
     Attributes:
         slots: the component's slots (shared slots appear in every owner).
@@ -99,9 +115,16 @@ class ComponentWeights:
     """
 
     def __init__(
-        self, name: str, role: str, selected: bool, module: nn.Module, table: "WeightTable"
+        self,
+        name: str,
+        role: str,
+        selected: bool,
+        module: nn.Module,
+        table: "WeightTable",
+        skip: Iterable[nn.Module] = (),
     ) -> None:
         self.name = name
+        self.skip: "weakref.WeakSet[nn.Module]" = weakref.WeakSet(skip)
         self.role = role
         self.selected = selected
         self.module_ref = weakref.ref(module)
@@ -133,6 +156,11 @@ class ComponentWeights:
         """Resident with no structural change pending: nothing to do before it runs (O(1))."""
         return self.resident and self.generation == self.synced
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The component's tensors now (``named_tensors`` of its module, ``skip`` left out)."""
+        module = self.module_ref()
+        return [] if module is None else named_tensors(module, self.skip)
+
     def _count(self, event: str, start: float) -> None:
         """Count a load or eviction that moved something (``start``: its perf_counter)."""
         seconds = time.perf_counter() - start
@@ -149,7 +177,7 @@ class ComponentWeights:
         module = self.module_ref()
         if module is None:
             return
-        for sub in module.modules():
+        for _, sub in _walk(module, self.skip):
             owners = _OWNERS.get(sub)
             if owners is None:
                 owners = _OWNERS[sub] = weakref.WeakSet()
@@ -166,7 +194,7 @@ class ComponentWeights:
         if module is None:
             return
         generation = self.generation
-        current = named_tensors(module)
+        current = self.named_tensors()
         known = {id(m.obj) for s in self.slots for m in s.members}
         fresh = [(n, t) for n, t in current if id(t) not in known]
         ids = {id(t) for _, t in current}
@@ -291,10 +319,18 @@ class WeightTable:
         self.components: dict[str, ComponentWeights] = {}
         self._slot_of: dict[int, TensorSlot] = {}
 
-    def add(self, name: str, role: str, selected: bool, module: nn.Module) -> ComponentWeights:
-        """Register a component (no tensor is adopted until ``adopt``)."""
+    def add(
+        self,
+        name: str,
+        role: str,
+        selected: bool,
+        module: nn.Module,
+        skip: Iterable[nn.Module] = (),
+    ) -> ComponentWeights:
+        """Register a component (no tensor is adopted until ``adopt``); ``skip``: submodules
+        whose tensors are not the component's (see ``ComponentWeights``)."""
         _install_registration_hooks()
-        comp = ComponentWeights(name, role, selected, module, self)
+        comp = ComponentWeights(name, role, selected, module, self, skip)
         self.components[name] = comp
         return comp
 

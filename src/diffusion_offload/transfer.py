@@ -73,6 +73,13 @@ class TransferStats:
         fingerprint_bytes: device bytes read to fingerprint tensors (at load and eviction).
         fingerprints: fingerprints read back to the host (8 bytes each, one copy per
             component load or eviction).
+        check_d2h_bytes: bytes read back to the host to decide whether weights changed
+            (8 per fingerprint in module mode; 1 per block release in layer mode, whose
+            fingerprints are compared on the device). Not weight bytes.
+        prefetches: layer mode: block loads issued ahead of use on the copy stream.
+        fallback_loads: layer mode: blocks that ran without having been prefetched (the
+            model skipped or repeated a block, or the first block of a first call) and
+            were loaded synchronously.
         pinned_bytes: bytes of host copies in pinned (page-locked) memory now (a gauge).
         pageable_host_bytes: bytes of host copies in pageable memory now (a gauge).
     """
@@ -84,6 +91,9 @@ class TransferStats:
     transfer_seconds: float = 0.0
     fingerprint_bytes: int = 0
     fingerprints: int = 0
+    check_d2h_bytes: int = 0
+    prefetches: int = 0
+    fallback_loads: int = 0
     pinned_bytes: int = 0
     pageable_host_bytes: int = 0
 
@@ -621,6 +631,7 @@ class Mover:
             fps = fingerprints([m.payload for m in members]).cpu().tolist()
         self.stats.fingerprint_bytes += sum(m.nbytes for m in members)
         self.stats.fingerprints += len(members)
+        self.stats.check_d2h_bytes += 8 * len(members)
         return fps
 
     def record(self, members: list[Member]) -> None:
@@ -664,31 +675,44 @@ class Mover:
         m.stride, m.offset = _contiguous_stride(m.shape), 0
         self._account(slot, +1)
 
-    def evict(self, slots: list[TensorSlot], txn: Transaction) -> int:
+    def evict(
+        self, slots: list[TensorSlot], txn: Transaction, changed: list[bool] | None = None
+    ) -> int:
         """Rebind every member of ``slots`` (resident, evictable) to its host copy.
 
         Members whose bytes changed since they were loaded are written back first; their
         reference fingerprint is then the written value, so a retry after a rollback does
         not write twice. When the device has no room left even for the fingerprints
         (8 bytes a tensor), every member is written back instead. Returns the D2H bytes
-        written. Write-backs are synchronized
-        before this returns when they were asynchronous.
+        written. Write-backs are synchronized before this returns when they were
+        asynchronous.
+
+        Args:
+            changed: per member (slots' members in order), whether its bytes changed, when
+                the caller compared them itself (layer mode compares on the device); None:
+                compare fingerprints here. A member whose dtype or shape changed is always
+                written back.
         """
         members = [(s, m) for s in slots for m in s.members]
         if not members:
             return 0
         written = 0
-        try:
-            now: list[int | None] = self._fingerprints([m for _, m in members])
-        except torch.OutOfMemoryError:
-            # no device room for the fingerprints' few bytes: write everything back
-            # (costs D2H copies, needs no device memory), so the eviction still frees it
-            now = [None] * len(members)
+        if changed is not None:
+            now: list[int | None] = [None if c else m.fp for c, (_, m) in zip(changed, members)]
+            known = [not c for c in changed]
+        else:
+            try:
+                now = self._fingerprints([m for _, m in members])
+            except torch.OutOfMemoryError:
+                # no device room for the fingerprints' few bytes: write everything back
+                # (costs D2H copies, needs no device memory), so the eviction still frees it
+                now = [None] * len(members)
+            known = [fp is not None and m.fp == fp for fp, (_, m) in zip(now, members)]
         with torch.inference_mode(False), torch.no_grad():
-            for (slot, m), fp in zip(members, now):
+            for (slot, m), fp, same in zip(members, now, known):
                 p = m.payload
                 same_layout = p.dtype == m.dtype and tuple(p.shape) == m.shape
-                if same_layout and fp is not None and m.fp == fp:
+                if same_layout and same:
                     continue  # unchanged: no copy
                 if same_layout:
                     slot.view(slot.host, m).copy_(
