@@ -27,8 +27,40 @@ What it gives a test that a CPU run cannot:
   remembered as pinned until that storage is freed. ``torch.fakegpu.host_register`` /
   ``host_unregister`` simulate ``cudaHostRegister`` (pinning an existing storage in place).
 
-What it cannot simulate: streams, asynchronous copies, allocator caching and
-fragmentation. Those exist only on a real GPU (see ``bench/gpu_check.py``).
+* **Streams, events and a race detector.** ``Stream``, ``Event``, ``current_stream``,
+  ``stream(s)`` (also as ``torch.fakegpu.*``, shaped like ``torch.cuda.*``) model CUDA
+  stream ordering. Data is still computed at once on the CPU; what is modelled is when
+  work would be complete on a GPU. Every op on a ``fakegpu`` tensor runs on the current
+  stream and takes its next sequence number; each stream keeps a vector clock of what it
+  is ordered after (``wait_event`` on an event, which snapshots the recording stream's
+  clock, or ``wait_stream``), and the host keeps one of what it knows complete
+  (``synchronize()``, ``Stream.synchronize``, ``Event.synchronize``, a ``query()`` that
+  returns True, a blocking copy). Device storages allocated on a side stream, or touched
+  by an op on one, are *tracked*: the last use and last write per stream are noted. An op
+  raises ``RaceError`` (naming the tensor's shape and dtype and both streams) when it
+  reads or writes a tracked storage whose last write on another stream is not ordered
+  before it, or writes one that another stream's unordered op still uses. Host reads
+  (``.cpu()``, ``.item()``, ``.tolist()``, device->host copies) are ops on the current
+  stream like any other. Freeing a tracked storage while a stream other than its
+  allocation stream used it, unordered before the allocation stream's clock and not
+  covered by a synchronize or ``tensor.record_stream(that stream)``, is a race too; frees
+  happen in finalizers, so that ``RaceError`` is raised by the next ``fakegpu`` op or
+  stream/event call. ``stats()`` counts ``stream_waits``, ``events`` and
+  ``races_detected`` (every race found, raised or not). Views and metadata ops
+  (``detach``, ``t``, ``view``, ``empty_like``...) access no data and are never races.
+  Storages only ever used on the default stream stay untracked; until the first side
+  stream is created (or a bandwidth set) ops take the plain path with no stream
+  bookkeeping at all.
+* **Copy time.** ``set_copy_bandwidth(bytes_per_second)`` makes host<->device copies
+  take ``nbytes / bytes_per_second`` seconds of virtual time per stream: a
+  ``non_blocking`` copy on a side stream returns at once, a blocking copy or any copy on
+  the default stream sleeps the host until done, and waits and synchronizes sleep until
+  the awaited work completes. Compute takes its real CPU time, so copy/compute overlap
+  from prefetching shows in wall-clock time.
+
+What it cannot simulate: real asynchronous execution and its timing beyond that model,
+allocator caching and fragmentation. Those exist only on a real GPU (see
+``bench/gpu_check.py``).
 
 The device type can be registered once per process; ``install()`` is idempotent and
 raises ``RuntimeError`` if PrivateUse1 was already renamed to something else.
@@ -36,7 +68,9 @@ raises ``RuntimeError`` if PrivateUse1 was already renamed to something else.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -45,15 +79,24 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "DEVICE_TYPE",
+    "Event",
     "FakeDeviceTensor",
+    "RaceError",
+    "Stream",
+    "StreamContext",
+    "current_stream",
+    "default_stream",
     "install",
     "is_installed",
     "live_storages",
     "reset_peak",
     "reset_stats",
     "set_capacity",
+    "set_copy_bandwidth",
+    "set_stream",
     "stats",
     "storage_key",
+    "stream",
     "synchronize",
 ]
 
@@ -79,6 +122,9 @@ class _Counters:
         self.d2h_bytes = 0
         self.transfers = 0
         self.synchronizes = 0
+        self.stream_waits = 0
+        self.events = 0
+        self.races_detected = 0
         self.capacity: int | None = None
         # StorageImpl address (``UntypedStorage._cdata``, stable across ``resize_``) ->
         # [number of live inner tensors, storage nbytes]
@@ -99,6 +145,10 @@ def _release_storage(key: int) -> None:
         if entry[0] == 0:
             del _counters.storages[key]
             _counters.allocated_bytes -= entry[1]
+            if _tracked:
+                st = _tracked.pop(key, None)
+                if st is not None:
+                    _check_free(st)
 
 
 def _reserve(nbytes: int) -> None:
@@ -128,6 +178,8 @@ def _track(inner: torch.Tensor) -> None:
         if entry is None:
             _reserve(storage.nbytes())
             _counters.storages[key] = [1, storage.nbytes()]
+            if _model_on:
+                _note_allocation(key, inner)
         else:
             entry[0] += 1
     inner._fakegpu_tracked = True
@@ -220,7 +272,20 @@ def _device_kwarg_is_host(kwargs: dict) -> bool:
 
 def _dispatch(func, args, kwargs):
     """Run ``func`` on the inner host tensors (called from ``__torch_dispatch__``, which
-    is ``torch.compiler.disable``d: nothing here is traced)."""
+    is ``torch.compiler.disable``d: nothing here is traced).
+
+    Until a side stream is created or a copy bandwidth is set, ops take the plain path
+    (no stream bookkeeping at all); afterwards ``_dispatch_modelled`` runs the race
+    detector and the copy timing around it."""
+    if _model_on:
+        return _dispatch_modelled(func, args, kwargs)
+    if func is _aten.record_stream.default:
+        return _record_stream(args[0], args[1])
+    return _dispatch_plain(func, args, kwargs)
+
+
+def _dispatch_plain(func, args, kwargs):
+    """Run ``func`` on the inner host tensors, without stream bookkeeping."""
     if func is _aten.copy_.default:
         dst, src = args[0], args[1]
         if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(src):
@@ -481,6 +546,20 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``aten::_copy_from`` for copies that reach the backend below Python dispatch
     (``torch.tensor(data, device="fakegpu")`` copies this way)."""
+    if _model_on:
+        if _deferred:
+            _raise_deferred()
+        T = _current()
+        accesses, transfer, op = _copy_accesses(dst, self)
+        _begin_op(T, accesses, op)
+        _copy_from_plain(self, dst)
+        if transfer is not None:
+            _after_transfer(T, _nbytes(dst), non_blocking)
+        return dst
+    return _copy_from_plain(self, dst)
+
+
+def _copy_from_plain(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(self):
         _count_copy("h2d", _nbytes(dst))
     elif _is_host_tensor(dst) and isinstance(self, FakeDeviceTensor):
@@ -494,19 +573,25 @@ def _arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory
     """``aten::arange.start_step`` (and ``.start``): PyTorch's composite fills an empty
     tensor through ``arange.out``, whose resize a wrapper tensor cannot show (its sizes
     are fixed at creation); build the result whole."""
-    return FakeDeviceTensor(torch.arange(start, end, step, dtype=dtype))
+    out = FakeDeviceTensor(torch.arange(start, end, step, dtype=dtype))
+    _note_kernel_write(out, "aten.arange")
+    return out
 
 
 @torch.compiler.disable
 def _arange_end(end, dtype=None, layout=None, device=None, pin_memory=None):
     """``aten::arange``: see ``_arange``."""
-    return FakeDeviceTensor(torch.arange(end, dtype=dtype))
+    out = FakeDeviceTensor(torch.arange(end, dtype=dtype))
+    _note_kernel_write(out, "aten.arange")
+    return out
 
 
 @torch.compiler.disable
 def _linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
     """``aten::linspace``, built whole for the same reason as ``_arange``."""
-    return FakeDeviceTensor(torch.linspace(start, end, steps, dtype=dtype))
+    out = FakeDeviceTensor(torch.linspace(start, end, steps, dtype=dtype))
+    _note_kernel_write(out, "aten.linspace")
+    return out
 
 
 def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
@@ -529,6 +614,684 @@ def _is_pinned(self: torch.Tensor, device=None) -> bool:
         return False
     with _lock:
         return self.untyped_storage().data_ptr() in _counters.pinned
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+class RaceError(RuntimeError):
+    """A stream-ordering bug found by the fake device's race detector.
+
+    Raised by the op (or the stream/event call) that would race on a real GPU: a read or
+    write of a tensor whose writer on another stream is not ordered before it, a write
+    over a pending use on another stream, or (raised at the next ``fakegpu`` call) the
+    free of a tensor still in use on a stream other than the one it was allocated on.
+    """
+
+
+_model_on = False  # a side stream exists or a copy bandwidth is set: ops take the model path
+_bandwidth: float | None = None  # bytes per second of host<->device copies; None: instant
+_tls = threading.local()  # .stream: the thread's current Stream (None: the default stream)
+_streams: dict[int, "Stream"] = {}  # stream id -> the one Stream object with that id
+_default_stream: "Stream | None" = None  # id 0, made by install()
+_done: dict[int, int] = {}  # stream id -> highest seq the host knows to be complete
+_tracked: dict[int, "_StorageUse"] = {}  # storage key -> its uses, by stream
+_deferred: list[str] = []  # races found at frees, raised at the next fakegpu call
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+_MISSING = object()
+_op_kinds: dict[Any, Any] = {}
+# ops that launch no kernel on a GPU (metadata, allocation): no access to the data
+_NO_ACCESS = frozenset(
+    {
+        "empty_like",
+        "new_empty",
+        "new_empty_strided",
+        "is_same_size",
+        "_has_compatible_shallow_copy_type",
+        "_unsafe_view",
+        "set_",
+        "is_pinned",
+    }
+)
+
+
+class _StorageUse:
+    """What the detector knows of one tracked device storage."""
+
+    __slots__ = ("alloc", "uses", "writes", "recorded", "shape", "dtype")
+
+    def __init__(self, alloc: int, shape: Any, dtype: torch.dtype) -> None:
+        self.alloc = alloc  # id of the stream it was allocated on
+        self.uses: dict[int, tuple[int, str]] = {}  # stream id -> (seq, op) of last use
+        self.writes: dict[int, tuple[int, str]] = {}  # stream id -> (seq, op) of last write
+        self.recorded: set[int] = set()  # stream ids given to tensor.record_stream
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+
+def _sname(sid: int) -> str:
+    return f"stream {sid} ({'default' if sid == 0 else 'side'})"
+
+
+def _merge(into: dict[int, int], clock: dict[int, int]) -> None:
+    for k, v in clock.items():
+        if v > into.get(k, 0):
+            into[k] = v
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _require_installed() -> None:
+    if _default_stream is None:
+        raise RuntimeError("fakegpu streams need fake_accelerator.install() first")
+
+
+def _check_device(device: Any) -> None:
+    if device is None:
+        return
+    if isinstance(device, int) and not isinstance(device, bool):
+        ok = device == 0
+    else:
+        try:
+            d = torch.device(device)
+        except (RuntimeError, TypeError):
+            ok = False
+        else:
+            ok = d.type == DEVICE_TYPE and d.index in (None, 0)
+    if not ok:
+        raise ValueError(f"not a {DEVICE_TYPE} device (it has one, index 0): {device!r}")
+
+
+def _current() -> "Stream":
+    s = getattr(_tls, "stream", None)
+    return _default_stream if s is None else s  # type: ignore[return-value]
+
+
+def _as_stream(s: Any) -> "Stream":
+    """Our ``Stream`` for ``s`` (a ``Stream`` or a ``torch.Stream`` naming a fakegpu stream)."""
+    if isinstance(s, Stream):
+        return s
+    if isinstance(s, torch.Stream):
+        if s.device_type == _PRIVATEUSE1 and s.stream_id in _streams:
+            return _streams[s.stream_id]
+        raise ValueError(f"not a {DEVICE_TYPE} stream: {s!r}")
+    raise TypeError(f"expected a {DEVICE_TYPE} Stream, got {type(s).__name__}")
+
+
+def _raise_deferred() -> None:
+    """Raise the races found at frees since the last call (they could not raise there)."""
+    if not _deferred:
+        return
+    with _lock:
+        msgs = list(_deferred)
+        _deferred.clear()
+    if msgs:
+        more = f" (and {len(msgs) - 1} more race(s) found at frees)" if len(msgs) > 1 else ""
+        raise RaceError(msgs[0] + more)
+
+
+class Stream(torch.Stream):
+    """A simulated stream of the ``fakegpu`` device, shaped like ``torch.cuda.Stream``.
+
+    ``Stream()`` makes a new side stream (ids 1, 2, ...); the default stream is id 0
+    (``default_stream()``). It is a ``torch.Stream`` (device type PrivateUse1), so
+    ``tensor.record_stream(s)`` accepts it. Work is never really asynchronous: every op
+    runs at once on the CPU, and the stream only keeps the ordering facts the race
+    detector needs (a sequence number per op, a vector clock of what it has waited on)
+    and, with ``set_copy_bandwidth``, the virtual time its copies complete.
+
+    Args:
+        device: ``None``, ``0``, ``"fakegpu"``, ``"fakegpu:0"`` or that ``torch.device``.
+        priority: accepted for ``torch.cuda`` compatibility; ignored.
+
+    Raises:
+        ValueError: ``device`` is not the fake device.
+        RuntimeError: ``install()`` has not run.
+    """
+
+    _sid: int
+    _clock: dict[int, int]
+    _busy_until: float
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
+        _check_device(device)
+        _require_installed()
+        with _lock:
+            if "stream_id" in kwargs:  # torch.Stream-style re-wrap of an existing stream
+                existing = _streams.get(kwargs["stream_id"])
+                if existing is None:
+                    raise ValueError(f"no {DEVICE_TYPE} stream with id {kwargs['stream_id']}")
+                return existing
+            return cls._make(len(_streams), priority)
+
+    @classmethod
+    def _make(cls, sid: int, priority: int = 0) -> "Stream":
+        """The stream with id ``sid`` (0: the default stream, made by ``install``)."""
+        global _model_on
+        self = torch.Stream.__new__(cls, stream_id=sid, device_type=_PRIVATEUSE1, device_index=0)
+        self._sid = sid
+        self.priority = priority
+        self._clock = {sid: 0}
+        self._busy_until = 0.0
+        _streams[sid] = self
+        if sid != 0:
+            _model_on = True
+        return self
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        pass  # all set in __new__
+
+    def __repr__(self) -> str:
+        return f"<{DEVICE_TYPE} Stream id={self._sid} ({'default' if self._sid == 0 else 'side'})>"
+
+    def wait_event(self, event: "Event") -> None:
+        """Order all later work on this stream after ``event`` (no-op if never recorded).
+
+        On the default stream (whose compute runs on the host in this fake) the host
+        sleeps until the event's virtual completion time; on a side stream the stream's
+        next copies start no earlier than that time. Counts one ``stream_waits``.
+
+        Raises:
+            RaceError: a race found at an earlier free is pending.
+        """
+        _raise_deferred()
+        with _lock:
+            _counters.stream_waits += 1
+            if event._clock is None:
+                return
+            ready = self._order_after(event._clock, event._ready)
+        _sleep_until(ready)
+
+    def wait_stream(self, stream: "Stream") -> None:
+        """Order all later work on this stream after all work queued on ``stream`` now.
+
+        Timing as ``wait_event``. Counts one ``stream_waits``.
+
+        Raises:
+            RaceError: a race found at an earlier free is pending.
+        """
+        _raise_deferred()
+        other = _as_stream(stream)
+        with _lock:
+            _counters.stream_waits += 1
+            if other is self:
+                return
+            ready = self._order_after(dict(other._clock), other._busy_until)
+        _sleep_until(ready)
+
+    def _order_after(self, clock: dict[int, int], ready: float) -> float:
+        """Merge ``clock`` into this stream's; return when the host must wake (lock held)."""
+        _merge(self._clock, clock)
+        if self._sid == 0:
+            return ready
+        self._busy_until = max(self._busy_until, ready)
+        return 0.0
+
+    def record_event(self, event: "Event | None" = None) -> "Event":
+        """Record ``event`` (a new ``Event`` if None) on this stream and return it.
+
+        Raises:
+            RaceError: a race found at an earlier free is pending.
+        """
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued on this stream is complete.
+
+        Sleeps until the stream's virtual completion time; afterwards all of it (and all
+        it waited on) counts as complete for the race detector. Not counted in
+        ``synchronizes`` (that counts device-wide ``synchronize()`` only).
+
+        Raises:
+            RaceError: a race found at an earlier free is pending.
+        """
+        _raise_deferred()
+        with _lock:
+            ready = self._busy_until
+            _merge(_done, self._clock)
+        _sleep_until(ready)
+
+    def query(self) -> bool:
+        """Whether all work queued on this stream is complete (by virtual time).
+
+        True marks that work complete for the race detector, as the host then knows it is.
+        """
+        with _lock:
+            if time.perf_counter() < self._busy_until:
+                return False
+            _merge(_done, self._clock)
+            return True
+
+    def __enter__(self) -> "Stream":
+        _push_stream(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _pop_stream()
+
+
+def _push_stream(s: "Stream | None") -> None:
+    stack = _tls.__dict__.setdefault("stack", [])
+    stack.append(getattr(_tls, "stream", None))
+    if s is not None:
+        _tls.stream = s
+
+
+def _pop_stream() -> None:
+    _tls.stream = _tls.stack.pop()
+
+
+class Event:
+    """A simulated event of the ``fakegpu`` device, shaped like ``torch.cuda.Event``.
+
+    ``record`` snapshots the recording stream's vector clock (and, with
+    ``set_copy_bandwidth``, the virtual time its queued work completes); a stream that
+    waits on the event is then ordered after all of it.
+
+    Args:
+        enable_timing: allow ``elapsed_time`` (virtual milliseconds).
+        blocking, interprocess: accepted for ``torch.cuda`` compatibility; ignored.
+    """
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self.interprocess = interprocess
+        self._clock: dict[int, int] | None = None
+        self._ready = 0.0
+        self._sid: int | None = None
+
+    def __repr__(self) -> str:
+        where = "not recorded" if self._sid is None else f"recorded on {_sname(self._sid)}"
+        return f"<{DEVICE_TYPE} Event {where}>"
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Record the event on ``stream`` (None: the current stream). Counts one ``events``.
+
+        Raises:
+            RaceError: a race found at an earlier free is pending.
+            ValueError, TypeError: ``stream`` is not a fakegpu stream.
+        """
+        _raise_deferred()
+        s = _current() if stream is None else _as_stream(stream)
+        with _lock:
+            self._clock = dict(s._clock)
+            self._sid = s._sid
+            self._ready = max(time.perf_counter(), s._busy_until)
+            _counters.events += 1
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make ``stream`` (None: the current stream) wait for this event (``wait_event``)."""
+        (_current() if stream is None else _as_stream(stream)).wait_event(self)
+
+    def synchronize(self) -> None:
+        """Block the host until the recorded work is complete (no-op if never recorded).
+
+        Raises:
+            RaceError: a race found at an earlier free is pending.
+        """
+        _raise_deferred()
+        if self._clock is None:
+            return
+        with _lock:
+            _merge(_done, self._clock)
+        _sleep_until(self._ready)
+
+    def query(self) -> bool:
+        """Whether the recorded work is complete (by virtual time); True if never recorded.
+
+        True marks that work complete for the race detector.
+        """
+        if self._clock is None:
+            return True
+        with _lock:
+            if time.perf_counter() < self._ready:
+                return False
+            _merge(_done, self._clock)
+            return True
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Virtual milliseconds between this event's and ``end_event``'s completion.
+
+        Raises:
+            RuntimeError: either event lacks ``enable_timing`` or was never recorded.
+        """
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with enable_timing=True")
+        if self._clock is None or end_event._clock is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time")
+        return (end_event._ready - self._ready) * 1000.0
+
+
+class StreamContext:
+    """``with stream(s):`` makes ``s`` the current stream of this thread (None: no change)."""
+
+    def __init__(self, stream: Stream | None) -> None:
+        self.stream = None if stream is None else _as_stream(stream)
+
+    def __enter__(self) -> Stream | None:
+        _push_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        _pop_stream()
+
+
+def stream(s: Stream | None) -> StreamContext:
+    """Context manager making ``s`` the current stream of this thread, as ``torch.cuda.stream``.
+
+    ``None`` leaves the current stream unchanged. Ops dispatched inside run on ``s``.
+
+    Raises:
+        TypeError, ValueError: ``s`` is not a fakegpu stream.
+    """
+    return StreamContext(s)
+
+
+def current_stream(device: Any = None) -> Stream:
+    """The current stream of this thread: the default stream (id 0) unless inside ``stream(s)``.
+
+    Raises:
+        ValueError: ``device`` is not the fake device.
+        RuntimeError: ``install()`` has not run.
+    """
+    _check_device(device)
+    _require_installed()
+    return _current()
+
+
+def default_stream(device: Any = None) -> Stream:
+    """The default stream (id 0).
+
+    Raises:
+        ValueError: ``device`` is not the fake device.
+        RuntimeError: ``install()`` has not run.
+    """
+    _check_device(device)
+    _require_installed()
+    return _default_stream  # type: ignore[return-value]
+
+
+def set_stream(s: Stream) -> None:
+    """Make ``s`` the current stream of this thread (``torch.cuda.set_stream``).
+
+    Raises:
+        TypeError, ValueError: ``s`` is not a fakegpu stream.
+    """
+    _tls.stream = _as_stream(s)
+
+
+def set_copy_bandwidth(bytes_per_second: float | None) -> None:
+    """Give host<->device copies a duration of ``nbytes / bytes_per_second`` seconds.
+
+    ``None`` (the default) makes copies instantaneous. With a bandwidth, each stream has
+    a virtual completion time: a ``non_blocking`` copy on a side stream returns at once
+    and completes at ``max(now, stream busy) + duration``; a blocking copy, or any copy
+    on the default stream, sleeps the host until it completes; waits and synchronizes
+    sleep until the awaited work completes. Compute takes its real CPU time, so
+    prefetching on a side stream overlaps copies with compute in wall-clock time.
+
+    Raises:
+        TypeError: not a number or None.
+        ValueError: not finite and > 0.
+    """
+    global _bandwidth, _model_on
+    if bytes_per_second is not None:
+        if isinstance(bytes_per_second, bool) or not isinstance(bytes_per_second, (int, float)):
+            raise TypeError(f"bandwidth must be bytes per second or None, got {bytes_per_second!r}")
+        if not math.isfinite(bytes_per_second) or bytes_per_second <= 0:
+            raise ValueError(f"bandwidth must be finite and > 0 bytes/s, got {bytes_per_second}")
+    with _lock:
+        _bandwidth = None if bytes_per_second is None else float(bytes_per_second)
+        _model_on = _bandwidth is not None or len(_streams) > 1
+
+
+def _op_kind(func: Any) -> Any:
+    """None for an op that touches no data (views, metadata, allocation); else the
+    (positional indices, keyword names) of the arguments it writes and the op's name."""
+    kind = _op_kinds.get(func, _MISSING)
+    if kind is _MISSING:
+        schema = func._schema
+        name = schema.name.split("::")[-1]
+        if name in _NO_ACCESS or (_returns_alias(func) and not schema.is_mutable):
+            kind = None
+        else:
+            written = [
+                (i, a)
+                for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            ]
+            kind = (
+                frozenset(i for i, a in written if not a.kwarg_only),
+                frozenset(a.name for _, a in written),
+                str(func),
+            )
+        _op_kinds[func] = kind
+    return kind
+
+
+def _copy_accesses(dst: Any, src: Any) -> tuple[list, str | None, str]:
+    dfake, sfake = isinstance(dst, FakeDeviceTensor), isinstance(src, FakeDeviceTensor)
+    accesses = []
+    if dfake:
+        accesses.append((dst, True))
+    if sfake:
+        accesses.append((src, False))
+    if dfake and not sfake:
+        return accesses, "h2d", "host-to-device copy"
+    if sfake and not dfake:
+        return accesses, "d2h", "device-to-host copy (host read)"
+    return accesses, None, "copy_"
+
+
+def _dispatch_modelled(func, args, kwargs):
+    """``_dispatch_plain`` inside the stream model: race checks, seq numbers, copy timing."""
+    if _deferred:
+        _raise_deferred()
+    if func is _aten.record_stream.default:
+        return _record_stream(args[0], args[1])
+    T = _current()
+    transfer = None
+    non_blocking = False
+    if func is _aten.copy_.default:
+        accesses, transfer, op = _copy_accesses(args[0], args[1])
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+    elif func is _aten._to_copy.default and _device_kwarg_is_host(kwargs):
+        accesses, transfer, op = [(args[0], False)], "d2h", "device-to-host copy (host read)"
+        non_blocking = bool(kwargs.get("non_blocking", False))
+    elif func is _aten._local_scalar_dense.default:
+        accesses, transfer, op = [(args[0], False)], "d2h", "host read (.item())"
+    else:
+        kind = _op_kind(func)
+        if kind is None:
+            return _dispatch_plain(func, args, kwargs)
+        pos, names, op = kind
+        accesses = []
+        for i, a in enumerate(args):
+            if isinstance(a, FakeDeviceTensor):
+                accesses.append((a, i in pos))
+            elif isinstance(a, (list, tuple)):
+                accesses.extend((b, i in pos) for b in a if isinstance(b, FakeDeviceTensor))
+        for k, v in kwargs.items():
+            if isinstance(v, FakeDeviceTensor):
+                accesses.append((v, k in names))
+            elif isinstance(v, (list, tuple)):
+                accesses.extend((b, k in names) for b in v if isinstance(b, FakeDeviceTensor))
+    seq = _begin_op(T, accesses, op)
+    out = _dispatch_plain(func, args, kwargs)
+    if T._sid != 0:
+        _mark_outputs(T, out, seq, op, accesses)
+    if transfer is not None:
+        if func is _aten.copy_.default:
+            nbytes = _nbytes(args[0])
+        elif func is _aten._to_copy.default:
+            nbytes = _nbytes(out)
+        else:
+            nbytes = args[0].element_size()
+        _after_transfer(T, nbytes, non_blocking)
+    return out
+
+
+def _begin_op(T: Stream, accesses: list, op: str) -> int:
+    """Check ``accesses`` ((tensor, writes?) pairs) of one op on ``T`` against the other
+    streams, then give the op ``T``'s next seq and note the uses.
+
+    Raises:
+        RaceError: an access is not ordered after conflicting work on another stream.
+    """
+    sid = T._sid
+    with _lock:
+        seq = T._clock[sid] + 1
+        if _tracked or sid != 0:
+            noted = []
+            for x, write in accesses:
+                key = x._inner.untyped_storage()._cdata
+                st = _tracked.get(key)
+                if st is None:
+                    if sid == 0:
+                        continue  # only ever used on the default stream: untracked
+                    st = _tracked[key] = _StorageUse(0, x._inner.shape, x.dtype)
+                else:
+                    msg = _conflict(st, T, x, write, op, seq)
+                    if msg is not None:
+                        _counters.races_detected += 1
+                        raise RaceError(msg)
+                noted.append((st, write))
+            for st, write in noted:
+                st.uses[sid] = (seq, op)
+                if write:
+                    st.writes[sid] = (seq, op)
+        T._clock[sid] = seq
+        return seq
+
+
+def _conflict(st: _StorageUse, T: Stream, x: torch.Tensor, write: bool, op: str, seq: int):
+    """The race message if ``op`` (seq ``seq`` on ``T``) accessing ``x`` races, else None."""
+    sid, clock = T._sid, T._clock
+    what = f"fakegpu race on a tensor of shape {tuple(x.shape)}, dtype {x.dtype}"
+    if tuple(x.shape) != st.shape:
+        what += f" (a view of one allocated with shape {st.shape})"
+    what += ": "
+    for u, (w, wop) in st.writes.items():
+        if u != sid and w > max(clock.get(u, 0), _done.get(u, 0)):
+            return (
+                f"{what}{_sname(u)} {wop} (seq {w}) is still pending, "
+                f"{'written' if write else 'read'} by {op} on {_sname(sid)} (seq {seq}) "
+                f"without an event wait (wait_event/wait_stream) or synchronize ordering it "
+                f"after that work"
+            )
+    if write:
+        for u, (r, rop) in st.uses.items():
+            if u != sid and r > max(clock.get(u, 0), _done.get(u, 0)):
+                return (
+                    f"{what}{_sname(u)} {rop} (seq {r}) may still be using it, "
+                    f"written by {op} on {_sname(sid)} (seq {seq}) without an event wait "
+                    f"(wait_event/wait_stream) or synchronize ordering it after that use"
+                )
+    return None
+
+
+def _mark_outputs(T: Stream, out: Any, seq: int, op: str, accesses: list) -> None:
+    """Note the new storages an op on side stream ``T`` produced as written at ``seq``."""
+    if isinstance(out, FakeDeviceTensor):
+        outs = [out]
+    elif isinstance(out, (list, tuple)):
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, FakeDeviceTensor)]
+    else:
+        return
+    if not outs:
+        return
+    inputs = {x._inner.untyped_storage()._cdata for x, _ in accesses}
+    sid = T._sid
+    with _lock:
+        for o in outs:
+            key = o._inner.untyped_storage()._cdata
+            if key in inputs:
+                continue
+            st = _tracked.get(key)
+            if st is None:
+                st = _tracked[key] = _StorageUse(sid, o._inner.shape, o.dtype)
+            st.uses[sid] = st.writes[sid] = (seq, op)
+
+
+def _after_transfer(T: Stream, nbytes: int, non_blocking: bool) -> None:
+    """Timing and completion of a host<->device copy just issued on ``T``."""
+    bandwidth = _bandwidth
+    with _lock:
+        now = time.perf_counter()
+        duration = nbytes / bandwidth if bandwidth else 0.0
+        start = max(now, T._busy_until)
+        T._busy_until = start + duration
+        if T._sid != 0 and non_blocking:
+            return  # pending: the host goes on
+        if not non_blocking:  # the host waits for the stream up to this copy
+            _merge(_done, T._clock)
+        end = T._busy_until
+    _sleep_until(end)
+
+
+def _record_stream(t: torch.Tensor, s: Any) -> None:
+    """``aten::record_stream``: uses of ``t`` on ``s`` no longer make freeing ``t`` a race
+    (the caching allocator would defer reuse of the memory until that work completes)."""
+    if not isinstance(t, FakeDeviceTensor):
+        raise TypeError(f"record_stream takes a {DEVICE_TYPE} tensor, got one on {t.device}")
+    if _deferred:
+        _raise_deferred()
+    u = _as_stream(s)._sid
+    key = t._inner.untyped_storage()._cdata
+    with _lock:
+        st = _tracked.get(key)
+        if st is None:
+            if u == 0:
+                return None  # default-stream-only storage: nothing to defer
+            st = _tracked[key] = _StorageUse(0, t._inner.shape, t.dtype)
+        st.recorded.add(u)
+    return None
+
+
+def _note_allocation(key: int, inner: torch.Tensor) -> None:
+    """A new storage allocated while a side stream is current belongs to that stream
+    (lock held)."""
+    T = _current()
+    if T is not None and T._sid != 0:
+        st = _tracked[key] = _StorageUse(T._sid, inner.shape, inner.dtype)
+        st.uses[T._sid] = (T._clock[T._sid], "allocation")
+
+
+def _note_kernel_write(out: torch.Tensor, op: str) -> None:
+    """A factory kernel outside ``__torch_dispatch__`` wrote ``out`` on the current stream."""
+    if _model_on:
+        _begin_op(_current(), [(out, True)], op)
+
+
+def _check_free(st: _StorageUse) -> None:
+    """Record a race if a storage is freed before its uses on other streams are ordered
+    before its allocation stream's later work (lock held; raised later: frees happen in
+    finalizers, where an exception cannot propagate)."""
+    alloc = _streams.get(st.alloc)
+    clock = alloc._clock if alloc is not None else {}
+    for u, (seq, op) in st.uses.items():
+        if u == st.alloc or u in st.recorded:
+            continue
+        if seq > max(clock.get(u, 0), _done.get(u, 0)):
+            _counters.races_detected += 1
+            _deferred.append(
+                f"fakegpu race: a tensor of shape {st.shape}, dtype {st.dtype}, allocated on "
+                f"{_sname(st.alloc)} was freed while {op} on {_sname(u)} (seq {seq}) may "
+                f"still be using it: {_sname(st.alloc)} had not waited on {_sname(u)} past "
+                f"that use (wait_event/wait_stream), no synchronize covered it, and "
+                f"tensor.record_stream() was not called with {_sname(u)} (found at the "
+                f"free, raised at the next fakegpu call)"
+            )
+            return
 
 
 class _BackendModule:
@@ -558,9 +1321,30 @@ class _BackendModule:
     def device_count() -> int:
         return 1
 
+    Stream = Stream
+    Event = Event
+    StreamContext = StreamContext
+    RaceError = RaceError
+
     @staticmethod
     def synchronize(device: Any = None) -> None:
         synchronize()
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Stream:
+        return current_stream(device)
+
+    @staticmethod
+    def default_stream(device: Any = None) -> Stream:
+        return default_stream(device)
+
+    @staticmethod
+    def stream(s: Stream | None) -> StreamContext:
+        return stream(s)
+
+    @staticmethod
+    def set_stream(s: Stream) -> None:
+        set_stream(s)
 
     @staticmethod
     def memory_allocated(device: Any = None) -> int:
@@ -628,6 +1412,9 @@ def install() -> torch.device:
                 DEVICE_TYPE, backend_module=_BackendModule()
             )
         _DEVICE = torch.device(DEVICE_TYPE, 0)
+        global _default_stream
+        if _default_stream is None:
+            _default_stream = Stream._make(0)
         dev_lib = torch.library.Library("aten", "IMPL", "PrivateUse1")
         dev_lib.impl("empty.memory_format", _empty_memory_format)
         dev_lib.impl("empty_strided", _empty_strided)
@@ -657,8 +1444,11 @@ def stats() -> dict[str, int]:
         ``allocated_bytes`` (bytes of live device storages), ``peak_bytes`` (maximum of
         ``allocated_bytes`` since the last ``reset_stats``), ``h2d_bytes`` and ``d2h_bytes``
         (bytes copied host->device and device->host), ``transfers`` (tensor copies between
-        host and device), ``synchronizes`` (calls to ``synchronize``), ``capacity`` (bytes,
-        or -1 for unlimited).
+        host and device), ``synchronizes`` (calls to the device-wide ``synchronize``),
+        ``stream_waits`` (calls of ``Stream.wait_event``/``wait_stream``/``Event.wait``),
+        ``events`` (``Event.record`` calls, ``Stream.record_event`` included),
+        ``races_detected`` (races found, raised or pending), ``capacity`` (bytes, or -1
+        for unlimited).
     """
     with _lock:
         return {
@@ -668,6 +1458,9 @@ def stats() -> dict[str, int]:
             "d2h_bytes": _counters.d2h_bytes,
             "transfers": _counters.transfers,
             "synchronizes": _counters.synchronizes,
+            "stream_waits": _counters.stream_waits,
+            "events": _counters.events,
+            "races_detected": _counters.races_detected,
             "capacity": -1 if _counters.capacity is None else _counters.capacity,
         }
 
@@ -695,13 +1488,23 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def reset_stats() -> None:
-    """Zero the transfer and synchronize counters; ``peak_bytes`` := ``allocated_bytes``."""
+    """Zero the transfer, synchronize, stream-wait, event and race counters;
+    ``peak_bytes`` := ``allocated_bytes``.
+
+    Races found at frees and not yet raised are dropped too (the ``fake_device`` test
+    fixture calls this first, so a race left by an earlier test does not fail the next).
+    Stream ordering state (what each stream has waited on) is kept.
+    """
     with _lock:
         _counters.peak_bytes = _counters.allocated_bytes
         _counters.h2d_bytes = 0
         _counters.d2h_bytes = 0
         _counters.transfers = 0
         _counters.synchronizes = 0
+        _counters.stream_waits = 0
+        _counters.events = 0
+        _counters.races_detected = 0
+        _deferred.clear()
 
 
 def reset_peak() -> None:
@@ -729,6 +1532,19 @@ def set_capacity(nbytes: int | None) -> None:
 
 
 def synchronize() -> None:
-    """Count one device synchronize (all fake-device work is already complete)."""
+    """Block the host until all work on every stream completes; counts one ``synchronizes``.
+
+    With ``set_copy_bandwidth``, sleeps until the last queued copy's virtual completion.
+    Afterwards no work is pending for the race detector.
+
+    Raises:
+        RaceError: a race found at a free since the last fakegpu call (after completing).
+    """
     with _lock:
         _counters.synchronizes += 1
+        ready = 0.0
+        for s in _streams.values():
+            _merge(_done, s._clock)
+            ready = max(ready, s._busy_until)
+    _sleep_until(ready)
+    _raise_deferred()

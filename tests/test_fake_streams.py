@@ -1,0 +1,445 @@
+"""Streams, events, the race detector and the copy-bandwidth model of the fake accelerator."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from diffusion_offload.testing import fake_accelerator as fa
+
+D = 32  # block weights are D x D float32: 4096 bytes
+
+
+def _side(s: fa.Stream) -> str:
+    return f"stream {s.stream_id} (side)"
+
+
+@pytest.fixture
+def streams(fake_device):
+    """A fresh copy stream, the default stream, and a clean slate of counters."""
+    fa.set_copy_bandwidth(None)
+    fa.synchronize()  # nothing pending from earlier tests
+    fa.reset_stats()
+    yield torch.fakegpu.Stream(device=fake_device), torch.fakegpu.current_stream()
+    fa.set_copy_bandwidth(None)
+    fa.synchronize()
+    fa.reset_stats()
+
+
+def test_api_matches_torch_cuda_shapes(fake_device):
+    mod = torch.fakegpu
+    for name in ("Stream", "Event", "current_stream", "default_stream", "stream", "set_stream"):
+        assert getattr(mod, name) is not None
+    default = mod.current_stream(device=fake_device)
+    assert default.stream_id == 0 and default == mod.default_stream() == fa.current_stream()
+    s = mod.Stream(device=fake_device)
+    t = fa.Stream(device="fakegpu:0", priority=-1)
+    assert isinstance(s, torch.Stream) and s.device == fake_device
+    assert s.stream_id > 0 and t.stream_id == s.stream_id + 1 and s != t
+    # == and hash by id, also against a plain torch.Stream naming the same stream
+    same = torch.Stream(stream_id=s.stream_id, device_type=s.device_type, device_index=0)
+    assert s == same and hash(s) == hash(same) and len({s, same, t}) == 2
+    with mod.stream(s):
+        assert mod.current_stream() == s
+        with mod.stream(None):  # None: no change, as torch.cuda.stream(None)
+            assert mod.current_stream() == s
+        with t:
+            assert mod.current_stream() == t
+        assert mod.current_stream() == s
+    assert mod.current_stream() == default
+    with pytest.raises(ValueError, match="not a fakegpu device"):
+        mod.Stream(device="cpu")
+    with pytest.raises(ValueError, match="not a fakegpu device"):
+        mod.current_stream(device="fakegpu:1")
+    e = mod.Event(enable_timing=True, blocking=False, interprocess=False)
+    assert e.query()  # never recorded: complete, as CUDA
+    assert s.record_event(e) is e and e.query() and s.query()
+
+
+def test_record_stream_works_on_fake_tensors(streams, fake_device):
+    copy, default = streams
+    x = torch.ones(4, device=fake_device)
+    x.record_stream(copy)
+    x.record_stream(default)
+    x.record_stream(torch.Stream(stream_id=copy.stream_id, device_type=copy.device_type, device_index=0))
+    foreign = torch.Stream(stream_id=1, device_type=1, device_index=0)  # a cuda stream
+    with pytest.raises(ValueError, match="not a fakegpu stream"):
+        x.record_stream(foreign)
+    assert fa.stats()["races_detected"] == 0
+
+
+def _prefetch_loop(blocks, x, copy, release: str):
+    """The layer-offload pattern: copy block i+1 on ``copy`` while block i computes."""
+    default = fa.current_stream()
+    with fa.stream(copy):
+        nxt = blocks[0].to(x.device, non_blocking=True)
+        ev = copy.record_event()
+    for i in range(len(blocks)):
+        default.wait_event(ev)
+        w = nxt
+        if i + 1 < len(blocks):
+            with fa.stream(copy):
+                nxt = blocks[i + 1].to(x.device, non_blocking=True)
+                ev = copy.record_event()
+        x = torch.tanh(x @ w)
+        if release == "record_stream":
+            w.record_stream(default)
+        else:  # the copy stream waits for compute before the block is dropped
+            done = fa.Event()
+            done.record()
+            copy.wait_event(done)
+        del w
+    return x
+
+
+@pytest.mark.parametrize("release", ["record_stream", "event"])
+def test_correct_prefetch_loop_has_no_races_and_exact_counters(streams, fake_device, release):
+    copy, _ = streams
+    blocks = [torch.randn(D, D) / D**0.5 for _ in range(6)]
+    x_host = torch.randn(3, D)
+    ref = x_host
+    for w in blocks:
+        ref = torch.tanh(ref @ w)
+    base = fa.stats()["allocated_bytes"]
+    x = x_host.to(fake_device)
+    out = _prefetch_loop(blocks, x, copy, release).cpu()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    s = fa.stats()
+    block_bytes = D * D * 4
+    assert s["races_detected"] == 0
+    assert s["h2d_bytes"] == 6 * block_bytes + 3 * D * 4
+    assert s["d2h_bytes"] == 3 * D * 4
+    assert s["transfers"] == 6 + 2
+    assert s["events"] == 6 + (6 if release == "event" else 0)
+    assert s["stream_waits"] == 6 + (6 if release == "event" else 0)
+    assert s["synchronizes"] == 0  # compute waited on events, never the whole device
+    # peak: two blocks (current, prefetched) and four 3 x D activations (the caller's
+    # input, the previous block's output, matmul out, tanh out), nothing else
+    assert s["peak_bytes"] - base == 2 * block_bytes + 4 * 3 * D * 4
+    del x
+
+
+def test_missing_wait_event_raises_naming_shape_and_streams(streams, fake_device):
+    copy, _ = streams
+    x = torch.randn(3, D, device=fake_device)
+    with fa.stream(copy):
+        w = torch.randn(D, 2 * D).to(fake_device, non_blocking=True)
+        copy.record_event()
+    with pytest.raises(fa.RaceError) as info:
+        x @ w  # no wait_event: the copy may still be in flight
+    msg = str(info.value)
+    assert f"shape ({D}, {2 * D})" in msg and "dtype torch.float32" in msg
+    assert f"{_side(copy)} host-to-device copy" in msg and "still pending" in msg
+    assert "read by aten.mm.default on stream 0 (default)" in msg
+    assert "without an event wait" in msg
+    assert fa.stats()["races_detected"] == 1
+    assert isinstance(info.value, RuntimeError)
+    # a write over the pending copy is a race as well
+    with pytest.raises(fa.RaceError, match=r"written by aten\.fill_\.Scalar on stream 0"):
+        w.fill_(0.0)
+    assert fa.stats()["races_detected"] == 2
+
+
+@pytest.mark.parametrize("read", ["cpu", "item", "tolist", "to_cpu_non_blocking", "copy_to_host"])
+def test_host_read_of_pending_tensor_races(streams, fake_device, read):
+    copy, _ = streams
+    with fa.stream(copy):
+        w = torch.arange(4.0).to(fake_device, non_blocking=True)
+    do = {
+        "cpu": lambda: w.cpu(),
+        "item": lambda: w[1].item(),
+        "tolist": lambda: w.tolist(),
+        "to_cpu_non_blocking": lambda: w.to("cpu", non_blocking=True),
+        "copy_to_host": lambda: torch.empty(4).copy_(w),
+    }[read]
+    pattern = (
+        r"shape \((4,)?\), dtype torch.float32( \(a view of one allocated with shape \(4,\)\))?: "
+        rf"{re.escape(_side(copy))} host-to-device copy "
+        r".* pending, read by (device-to-host copy \(host read\)|host read \(\.item\(\)\)) "
+        r"on stream 0 \(default\)"
+    )
+    with pytest.raises(fa.RaceError, match=pattern):
+        do()
+    assert fa.stats()["races_detected"] == 1
+    with fa.stream(copy):  # on the stream that wrote it, the read is ordered: fine
+        assert w.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert fa.stats()["races_detected"] == 1
+
+
+def test_freeing_block_used_by_compute_without_ordering_is_caught(streams, fake_device):
+    copy, default = streams
+    x = torch.randn(3, D, device=fake_device)
+    with fa.stream(copy):
+        w = torch.randn(D, D).to(fake_device, non_blocking=True)  # allocated on the copy stream
+        ev = copy.record_event()
+    default.wait_event(ev)
+    y = x @ w  # compute uses the block on the default stream
+    del w  # no record_stream, and the copy stream never waited on compute
+    assert fa.stats()["races_detected"] == 1  # found at the free ...
+    with pytest.raises(fa.RaceError) as info:
+        y + 1  # ... raised by the next fakegpu op
+    msg = str(info.value)
+    assert f"shape ({D}, {D}), dtype torch.float32, allocated on {_side(copy)} was freed" in msg
+    assert "aten.mm.default on stream 0 (default)" in msg and "record_stream" in msg
+    y + 1  # raised once only
+    assert fa.stats()["races_detected"] == 1
+
+
+@pytest.mark.parametrize("ordering", ["record_stream", "wait_stream", "event", "synchronize"])
+def test_freeing_block_after_proper_ordering_is_fine(streams, fake_device, ordering):
+    copy, default = streams
+    x = torch.randn(3, D, device=fake_device)
+    with fa.stream(copy):
+        w = torch.randn(D, D).to(fake_device, non_blocking=True)
+    default.wait_stream(copy)
+    y = x @ w
+    if ordering == "record_stream":
+        w.record_stream(default)
+    elif ordering == "wait_stream":
+        copy.wait_stream(default)
+    elif ordering == "event":
+        default.record_event().wait(copy)
+    else:
+        fa.synchronize()
+    del w
+    y + 1
+    assert fa.stats()["races_detected"] == 0
+
+
+def test_reusing_a_buffer_still_read_by_compute_is_a_race(streams, fake_device):
+    copy, default = streams
+    with fa.stream(copy):
+        buf = torch.randn(D, D).to(fake_device, non_blocking=True)
+    default.wait_stream(copy)
+    y = torch.ones(2, D, device=fake_device) @ buf  # compute reads buf
+    with fa.stream(copy):
+        with pytest.raises(fa.RaceError, match=r"stream 0 \(default\) aten\.mm\.default .* may still be using it, written by host-to-device copy"):
+            buf.copy_(torch.zeros(D, D), non_blocking=True)
+        copy.wait_stream(default)  # the right way: wait for compute first
+        buf.copy_(torch.zeros(D, D), non_blocking=True)
+    assert fa.stats()["races_detected"] == 1
+    del y
+
+
+def test_synchronize_and_host_waits_clear_pending(streams, fake_device):
+    copy, default = streams
+    before = fa.stats()["synchronizes"]
+    for complete in ("device", "stream", "event", "query", "blocking_copy"):
+        with fa.stream(copy):
+            w = torch.full((5,), 2.0).to(fake_device, non_blocking=True)
+            ev = copy.record_event()
+            if complete == "blocking_copy":  # the host waits for the stream up to here
+                torch.zeros(1).to(fake_device)
+        {
+            "device": fa.synchronize,
+            "stream": copy.synchronize,
+            "event": ev.synchronize,
+            "query": lambda: ev.query() or pytest.fail("no bandwidth set: complete at once"),
+            "blocking_copy": lambda: None,
+        }[complete]()
+        assert w.sum().item() == 10.0
+        del w
+    assert fa.stats()["races_detected"] == 0
+    assert fa.stats()["synchronizes"] == before + 1
+
+
+def test_waits_are_transitive(streams, fake_device):
+    copy, default = streams
+    other = fa.Stream()
+    with fa.stream(copy):
+        w = torch.ones(3).to(fake_device, non_blocking=True)
+        e1 = copy.record_event()
+    other.wait_event(e1)
+    with fa.stream(other):
+        e2 = other.record_event()
+    default.wait_event(e2)  # default -> other -> copy
+    assert w.sum().item() == 3.0
+    with fa.stream(copy):
+        v = torch.ones(3).to(fake_device, non_blocking=True)
+    with fa.stream(other):  # waited on e1 only: v was copied after e1
+        pattern = f"{re.escape(_side(copy))} host-to-device copy .* read by aten.mul.Tensor on {re.escape(_side(other))}"
+        with pytest.raises(fa.RaceError, match=pattern):
+            v * 2
+    assert fa.stats()["races_detected"] == 1
+
+
+def test_side_stream_compute_is_pending_too(streams, fake_device):
+    copy, default = streams
+    a = torch.ones(4, device=fake_device)
+    with fa.stream(copy):
+        b = a * 3  # allocated and written on the side stream
+    with pytest.raises(fa.RaceError, match=r"aten\.mul\.Tensor \(seq \d+\) is still pending"):
+        b + 1
+    default.wait_stream(copy)
+    assert (b + 1).tolist() == [4.0] * 4
+
+
+def test_default_only_storages_stay_untracked(streams, fake_device):
+    x = torch.randn(8, device=fake_device)
+    y = (x * 2).sum()
+    assert fa.storage_key(x) not in fa._tracked and fa.storage_key(y) not in fa._tracked
+    copy, _ = streams
+    with fa.stream(copy):
+        z = torch.ones(2, device=fake_device)
+    assert fa.storage_key(z) in fa._tracked
+
+
+def test_no_stream_bookkeeping_until_a_side_stream_exists():
+    code = (
+        "import torch\n"
+        "from diffusion_offload.testing import fake_accelerator as fa\n"
+        "dev = fa.install()\n"
+        "x = torch.randn(4, 4).to(dev, non_blocking=True)\n"
+        "(x @ x).sum().item(); x.record_stream(torch.fakegpu.current_stream())\n"
+        "assert not fa._model_on and not fa._tracked, 'model path used'\n"
+        "assert fa.current_stream()._clock == {0: 0}\n"
+        "fa.Stream()\n"
+        "assert fa._model_on\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_stats_counters_and_reset(streams, fake_device):
+    copy, default = streams
+    e = fa.Event()
+    e.record(copy)  # 1 event
+    copy.record_event()  # 2
+    default.wait_event(e)  # 1 wait
+    e.wait()  # 2 (current stream)
+    copy.wait_stream(default)  # 3
+    with fa.stream(copy):
+        w = torch.ones(2).to(fake_device, non_blocking=True)
+    with pytest.raises(fa.RaceError):
+        w + 1
+    s = fa.stats()
+    assert (s["events"], s["stream_waits"], s["races_detected"]) == (2, 3, 1)
+    fa.reset_stats()
+    s = fa.stats()
+    assert s["events"] == s["stream_waits"] == s["races_detected"] == 0
+    with pytest.raises(fa.RaceError):  # reset_stats keeps the ordering facts: still pending
+        w + 1
+
+
+def test_set_copy_bandwidth_validates(fake_device):
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            fa.set_copy_bandwidth(bad)
+    for bad in ("1e9", True):
+        with pytest.raises(TypeError):
+            fa.set_copy_bandwidth(bad)  # type: ignore[arg-type]
+    fa.set_copy_bandwidth(None)
+
+
+def test_bandwidth_times_copies_and_events(streams, fake_device):
+    copy, default = streams
+    nbytes = 1 << 20
+    fa.set_copy_bandwidth(nbytes / 0.05)  # 50 ms per MiB
+    host = torch.zeros(nbytes // 4)
+    start = time.perf_counter()
+    with fa.stream(copy):
+        begin = copy.record_event(fa.Event(enable_timing=True))
+        w = host.to(fake_device, non_blocking=True)
+        end = copy.record_event(fa.Event(enable_timing=True))
+    issued = time.perf_counter() - start
+    assert issued < 0.04  # non_blocking on a side stream: the host did not wait
+    assert not end.query()
+    default.wait_event(end)  # the host sleeps until the copy completes
+    waited = time.perf_counter() - start
+    assert waited >= 0.05
+    # 50 ms of copy, after the host issued it (the real memcpy runs first)
+    assert 50.0 <= begin.elapsed_time(end) <= 50.0 + issued * 1000 + 1.0
+    start = time.perf_counter()
+    host.to(fake_device)  # blocking copy on the default stream: the host sleeps
+    assert time.perf_counter() - start >= 0.05
+    del w
+
+
+def _block_compute(x: torch.Tensor, w: torch.Tensor, reps: int) -> torch.Tensor:
+    for _ in range(reps):
+        x = torch.nn.functional.linear(x, w).tanh()
+    return x
+
+
+def test_prefetch_halves_wall_time_when_copy_equals_compute(streams, fake_device):
+    """16 Linear blocks; a block's copy takes as long as its compute. Prefetching block
+    i+1 on the copy stream while block i computes must take <= 0.6x the wall time of
+    copy-then-compute (ideal: 17/32)."""
+    copy, default = streams
+    n, dim = 16, 256
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        blocks = [torch.randn(dim, dim) / dim**0.5 for _ in range(n)]
+        nbytes = dim * dim * 4
+        x0 = torch.randn(64, dim, device=fake_device)
+        w_dev = blocks[0].to(fake_device)
+        reps = 1
+        while True:  # calibrate: one block's compute takes >= 12 ms
+            t = time.perf_counter()
+            _block_compute(x0, w_dev, reps)
+            if time.perf_counter() - t >= 0.012 or reps >= 4096:
+                break
+            reps *= 2
+        del w_dev
+
+        def compute_time() -> float:
+            w = blocks[0].to(fake_device)
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                _block_compute(x0, w, reps)
+                best = min(best, time.perf_counter() - t)
+            return best
+
+        def serial() -> float:
+            t = time.perf_counter()
+            x = x0
+            for h in blocks:
+                w = h.to(fake_device)  # blocking: sleeps for the copy
+                x = _block_compute(x, w, reps)
+                del w
+            fa.synchronize()
+            return time.perf_counter() - t
+
+        def prefetched() -> float:
+            t = time.perf_counter()
+            x = x0
+            with fa.stream(copy):
+                nxt = blocks[0].to(fake_device, non_blocking=True)
+                ev = copy.record_event()
+            for i in range(n):
+                default.wait_event(ev)
+                w = nxt
+                if i + 1 < n:
+                    with fa.stream(copy):
+                        nxt = blocks[i + 1].to(fake_device, non_blocking=True)
+                        ev = copy.record_event()
+                x = _block_compute(x, w, reps)
+                w.record_stream(default)
+                del w
+            fa.synchronize()
+            return time.perf_counter() - t
+
+        ratios = []
+        for _ in range(3):  # a shared machine: retry a disturbed measurement
+            copy_s = compute_time()
+            fa.set_copy_bandwidth(nbytes / copy_s)
+            fa.reset_stats()
+            slow = serial()
+            assert slow >= n * copy_s  # the copies' sleeps alone
+            fast = prefetched()
+            s = fa.stats()
+            assert (s["events"], s["stream_waits"], s["races_detected"]) == (n, n, 0)
+            assert s["h2d_bytes"] == 2 * n * nbytes
+            ratios.append(fast / slow)
+            if ratios[-1] <= 0.6:
+                break
+        assert min(ratios) <= 0.6, ratios
+    finally:
+        torch.set_num_threads(threads)
+        fa.set_copy_bandwidth(None)
