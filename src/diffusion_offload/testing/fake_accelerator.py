@@ -797,7 +797,10 @@ class Stream(torch.Stream):
 
         Raises:
             RaceError: a race found at an earlier free is pending.
+            TypeError: ``event`` is not a fakegpu ``Event``.
         """
+        if not isinstance(event, Event):
+            raise TypeError(f"expected a {DEVICE_TYPE} Event, got {type(event).__name__}")
         _raise_deferred()
         with _lock:
             _counters.stream_waits += 1
