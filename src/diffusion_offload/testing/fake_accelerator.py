@@ -742,7 +742,10 @@ class Stream(torch.Stream):
     ``tensor.record_stream(s)`` accepts it. Work is never really asynchronous: every op
     runs at once on the CPU, and the stream only keeps the ordering facts the race
     detector needs (a sequence number per op, a vector clock of what it has waited on)
-    and, with ``set_copy_bandwidth``, the virtual time its copies complete.
+    and, with ``set_copy_bandwidth``, the virtual time its copies complete. Device
+    memory allocated while a side stream is current belongs to that stream, as with the
+    CUDA caching allocator (``host.to(dev, non_blocking=True)`` inside ``stream(s)``
+    allocates on ``s``).
 
     Args:
         device: ``None``, ``0``, ``"fakegpu"``, ``"fakegpu:0"`` or that ``torch.device``.
@@ -1023,13 +1026,14 @@ def default_stream(device: Any = None) -> Stream:
     return _default_stream  # type: ignore[return-value]
 
 
-def set_stream(s: Stream) -> None:
-    """Make ``s`` the current stream of this thread (``torch.cuda.set_stream``).
+def set_stream(s: Stream | None) -> None:
+    """Make ``s`` the current stream of this thread (``torch.cuda.set_stream``; None: no-op).
 
     Raises:
         TypeError, ValueError: ``s`` is not a fakegpu stream.
     """
-    _tls.stream = _as_stream(s)
+    if s is not None:
+        _tls.stream = _as_stream(s)
 
 
 def set_copy_bandwidth(bytes_per_second: float | None) -> None:
