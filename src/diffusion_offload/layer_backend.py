@@ -16,8 +16,13 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   and only then are the block's device copies dropped: the caching allocator may hand
   that memory to the next prefetch, which the copy stream orders after the compute that
   read it;
-* a release compares the block's fingerprints on the device and reads back one byte
-  (changed or not); a changed block is written back, as module mode does (section 4).
+* a load is copies only. A release fingerprints the block's tensors on the device, folds
+  them into one 64-bit word and reads back those 8 bytes, to compare with the same fold
+  of the host copies' fingerprints (computed on the host, once per block, and updated at
+  every write-back; the fingerprint is exact integer arithmetic, equal on any device).
+  Only when they differ are the per-tensor fingerprints read back, and the tensors that
+  changed written back, as module mode does (section 4). The check holds no device
+  memory between load and release.
 
 Other platforms copy synchronously on the current stream.
 
@@ -68,7 +73,7 @@ class _Block:
         self.name = name
         self.weights = weights
         self.event: Any = None  # recorded on the copy stream after the load
-        self.ref: torch.Tensor | None = None  # device fingerprints at load, int64 (N,)
+        self.ref: list[int] | None = None  # fingerprints of the host copies, per member
         self.members: list[Member] = []  # the members ``ref`` covers, in order
         self.on_device = False
 
@@ -96,8 +101,12 @@ class BlockStreamer:
         sequences: component name -> its streamed blocks in execution order.
         running: the block whose forward is running, or None.
         prefetched: the block being (or already) copied ahead of use, or None.
-        successor: component -> the component whose blocks ran next after it, as
-            observed (the prediction for cross-component prefetch).
+        successor: ``(component, n)`` -> the component whose forward followed the n-th
+            consecutive forward of ``component``, as last observed: the prediction for the
+            prefetch after a component's last block. Keyed by the run length, so "the
+            text encoder runs twice (prompt, negative prompt), then the DiT 2 x steps times
+            (guidance), then the next request's text encoder" is predicted exactly from
+            the previous request.
     """
 
     def __init__(self, platform: Platform, mover: Mover, lock: Any, prefetch: bool = True) -> None:
@@ -110,15 +119,20 @@ class BlockStreamer:
         self.sequences: dict[str, list[_Block]] = {}
         self.running: _Block | None = None
         self.prefetched: _Block | None = None
-        self.successor: dict[str, str] = {}
-        self._finished: str | None = None
+        self.successor: dict[tuple[str, int], str] = {}
+        self._call: tuple[str, int] | None = None  # the forward running now, and its run length
         self.max_on_device = 0  # high-water mark of streamed blocks on the device
 
     # -- events of a forward ------------------------------------------------------------
 
     def begin(self, component: str) -> None:
-        """A selected component's forward starts: prefetch its first streamed block."""
+        """A selected component's forward starts: learn the order, prefetch its first block."""
         with self.lock:
+            previous = self._call
+            if previous is not None:
+                self.successor[previous] = component
+            run = previous[1] + 1 if previous is not None and previous[0] == component else 1
+            self._call = (component, run)
             seq = self.sequences.get(component)
             if not seq or not self.prefetch:
                 return
@@ -132,10 +146,6 @@ class BlockStreamer:
     def before(self, block: _Block) -> None:
         """Block ``block`` is about to run: make it resident, then prefetch its successor."""
         with self.lock:
-            seq = self.sequences[block.component]
-            if block is seq[0] and self._finished is not None:
-                self.successor[self._finished] = block.component
-                self._finished = None
             stale = self.running
             if stale is not None and stale is not block and stale.on_device:
                 self._release(stale)  # its forward raised before the post-hook ran
@@ -166,9 +176,6 @@ class BlockStreamer:
                 self.running = None
             if block.on_device and block is not self.prefetched:
                 self._release(block)
-            seq = self.sequences[block.component]
-            if block is seq[-1]:
-                self._finished = block.component
 
     def quiesce(self) -> None:
         """Order the current stream after any copy in flight (``disable``)."""
@@ -183,7 +190,9 @@ class BlockStreamer:
         seq = self.sequences[block.component]
         if block.index + 1 < len(seq):
             return seq[block.index + 1]
-        following = self.sequences.get(self.successor.get(block.component, block.component))
+        call = self._call if self._call is not None and self._call[0] == block.component else None
+        nxt = self.successor.get(call, block.component) if call is not None else block.component
+        following = self.sequences.get(nxt)
         return following[0] if following else None
 
     def _note_peak(self) -> None:
@@ -228,12 +237,6 @@ class BlockStreamer:
                         moved += mover.load(slot, txn)
                     elif not slot.on_device(self.device):
                         moved += mover.place(slot, txn)
-                members = [m for s in comp.slots if s.evictable for m in s.members]
-                with torch.inference_mode(False), torch.no_grad():
-                    ref = fingerprints([m.payload for m in members]) if members else None
-                stats = mover.stats
-                stats.fingerprints += len(members)
-                stats.fingerprint_bytes += sum(m.nbytes for m in members)
                 event = None
                 if stream is not None:
                     event = self.platform.new_event()
@@ -248,7 +251,7 @@ class BlockStreamer:
             self._abort(txn, stream)
             raise
         txn.commit()
-        block.ref, block.members, block.event = ref, members, event
+        block.event = event
         block.on_device = True
         comp.resident = True
         if moved:
@@ -259,24 +262,55 @@ class BlockStreamer:
             stream.synchronize()  # no copy may still write what the rollback frees
         txn.rollback()
 
-    def _changed(self, block: _Block, members: list[Member], unchanged: bool) -> list[bool]:
-        """Per member, whether its bytes changed since the load (compared on the device;
-        one byte read back, plus one per member when something changed)."""
-        if unchanged:
-            return [False] * len(members)
+    @staticmethod
+    def _host_ref(slots: list[Any], members: list[Member]) -> list[int]:
+        """Fingerprints of the members' host copies, computed on the host."""
+        views = []
+        for slot in slots:
+            for m in slot.members:
+                views.append(slot.view(slot.host, m))
+        with torch.inference_mode(False), torch.no_grad():
+            return [int(x) for x in fingerprints(views).tolist()] if views else []
+
+    @staticmethod
+    def _fold(values: list[int]) -> int:
+        """``sum((2i + 1) * v_i)`` modulo 2**64, as a signed 64-bit int (the device's fold)."""
+        total = 0
+        for i, v in enumerate(values):
+            total = (total + (2 * i + 1) * v) & 0xFFFFFFFFFFFFFFFF
+        return total - (1 << 64) if total >= 1 << 63 else total
+
+    def _changed(
+        self, block: _Block, slots: list[Any], members: list[Member], unchanged: bool
+    ) -> tuple[list[bool], list[int] | None]:
+        """Per member, whether its device bytes differ from its host copy (fingerprints:
+        8 bytes read back, plus 8 per member when something differs), and the host
+        references to keep once the changed members are written back (None: unchanged)."""
+        if unchanged or not members:
+            return [False] * len(members), None
         stats = self.stats
         if block.ref is None or [id(m) for m in members] != [id(m) for m in block.members]:
-            return [True] * len(members)  # the member set changed: write everything back
+            block.ref, block.members = self._host_ref(slots, members), list(members)
         with torch.inference_mode(False), torch.no_grad():
             now = fingerprints([m.payload for m in members])
-            diff = now != block.ref
+            weights = torch.arange(len(members), device=now.device, dtype=torch.int64).mul_(2).add_(1)
             stats.fingerprints += len(members)
             stats.fingerprint_bytes += sum(m.nbytes for m in members)
-            stats.check_d2h_bytes += 1
-            if not bool(diff.any().item()):
-                return [False] * len(members)
-            stats.check_d2h_bytes += len(members)
-            return [bool(x) for x in diff.tolist()]
+            stats.check_d2h_bytes += 8
+            folded = int((now * weights).sum().item())
+            if folded == self._fold(block.ref):
+                return [False] * len(members), None
+            stats.check_d2h_bytes += 8 * len(members)
+            values = [int(x) for x in now.tolist()]
+        return [v != r for v, r in zip(values, block.ref)], values
+
+    def _order_release(self) -> None:
+        """Order the copy stream after the compute queued so far (an event, no host wait):
+        memory freed now may be reused by the next prefetch only after that compute."""
+        if self.copy_stream is not None:
+            done = self.platform.new_event()
+            done.record(self.platform.current_stream())
+            self.copy_stream.wait_event(done)
 
     def _release(self, block: _Block, unchanged: bool = False) -> None:
         """Write back what changed, then drop the block's device copies once the copy
@@ -292,17 +326,16 @@ class BlockStreamer:
         txn = Transaction()
         try:
             members = [m for s in slots for m in s.members]
-            changed = self._changed(block, members, unchanged)
+            changed, new_ref = self._changed(block, slots, members, unchanged)
             mover.evict(slots, txn, changed)
-            if self.copy_stream is not None:
-                done = self.platform.new_event()
-                done.record(self.platform.current_stream())
-                self.copy_stream.wait_event(done)
+            self._order_release()
         except BaseException:
             txn.rollback()
             raise
         txn.commit()  # the device copies are freed here
-        block.ref, block.members, block.event = None, [], None
+        if new_ref is not None:
+            block.ref = new_ref  # what the host copies hold now
+        block.event = None
         block.on_device = False
         comp.resident = False
         if slots:

@@ -18,7 +18,7 @@ import diffusers
 
 __all__ = [
     "ModelError", "ModelInfo", "inspect_model", "resolve_model",
-    "safetensors_numels", "weight_files",
+    "safetensors_numels", "safetensors_tensors", "weight_files",
 ]
 
 # bytes per element of the safetensors dtype names
@@ -163,16 +163,17 @@ def weight_files(path: Path, variant: str | None = None) -> dict[str, list[Path]
     return out
 
 
-def safetensors_numels(files: list[Path]) -> dict[str, int]:
-    """Element counts per safetensors dtype name over ``files``, read with safetensors'
-    own reader (``safe_open``: the header only, validated against the file size).
+def safetensors_tensors(files: list[Path]) -> dict[str, tuple[str, int]]:
+    """Every tensor in ``files``: key -> (safetensors dtype name, element count), read with
+    safetensors' own reader (``safe_open``: the header only, validated against the file
+    size). No weight is read.
 
     Raises:
         ModelError: a file is truncated, corrupt or unreadable (the message names it).
     """
     from safetensors import safe_open
 
-    out: dict[str, int] = {}
+    out: dict[str, tuple[str, int]] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="numpy") as fh:
@@ -181,8 +182,7 @@ def safetensors_numels(files: list[Path]) -> dict[str, int]:
                     numel = 1
                     for dim in piece.get_shape():
                         numel *= int(dim)
-                    dtype = str(piece.get_dtype())
-                    out[dtype] = out.get(dtype, 0) + numel
+                    out[key] = (str(piece.get_dtype()), numel)
         except OSError as exc:
             raise ModelError(
                 f"weight file {str(file)!r} cannot be read: {exc.strerror or exc}"
@@ -193,6 +193,18 @@ def safetensors_numels(files: list[Path]) -> dict[str, int]:
             raise ModelError(
                 f"weight file {str(file)!r} cannot be read: {reason}; download the model again"
             ) from None
+    return out
+
+
+def safetensors_numels(files: list[Path]) -> dict[str, int]:
+    """Element counts per safetensors dtype name over ``files`` (``safetensors_tensors``).
+
+    Raises:
+        ModelError: a file is truncated, corrupt or unreadable (the message names it).
+    """
+    out: dict[str, int] = {}
+    for dtype, numel in safetensors_tensors(files).values():
+        out[dtype] = out.get(dtype, 0) + numel
     return out
 
 

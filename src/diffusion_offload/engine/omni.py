@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..backend import ModelLevelOffloadBackend
+from ..backend import ModelLevelOffloadBackend, OffloadBackendBase
+from ..layer_backend import LayerwiseOffloadBackend
 from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from ..discovery import ROLES
 from ..platform import Platform, normalize_device, platform_for
@@ -224,6 +225,9 @@ class Omni:
         variant: the weight file variant to load (``"fp16"`` loads
             ``*.fp16.safetensors``), as diffusers' ``from_pretrained(variant=...)``;
             the fit check counts the same files.
+        layer_blocks: layer mode: block container paths per component name, overriding
+            the built-in table (``{"transformer": ["blocks"]}``). See
+            ``LayerwiseOffloadBackend``.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -235,7 +239,7 @@ class Omni:
         TypeError, ValueError: invalid config, dtype, device or component_roles.
         ModelError: the model cannot be found or is not a supported diffusers pipeline.
         FitError: the device cannot hold the config's resting footprint.
-        NotImplementedError: ``mode="layer"``.
+        NotImplementedError: ``layer_options`` asks for ``weight_transfer="allgather"``.
     """
 
     def __init__(
@@ -251,14 +255,13 @@ class Omni:
         progress: bool = True,
         max_pinned_bytes: int | None = None,
         variant: str | None = None,
+        layer_blocks: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         start = time.perf_counter()
         self._lock = threading.RLock()
         self.config = parse_diffusion_offload_config(
             diffusion_offload_config, enable_cpu_offload=enable_cpu_offload
         )
-        if self.config is not None and self.config.mode != "module":
-            raise NotImplementedError(f"mode={self.config.mode!r} has no backend yet; use mode='module'")
         dtype_choice = parse_dtype(dtype)
         self.device = pick_device(device)
         self.platform: Platform = platform_for(self.device)
@@ -272,7 +275,7 @@ class Omni:
             free = self.platform.memory_stats().free_bytes
             self.footprint = check_fit(
                 self.info, self.config, torch.tensor([], dtype=self.dtype).element_size(), free,
-                self.platform.supports_pinning, self.component_roles,
+                self.platform.supports_pinning, self.component_roles, layer_blocks,
             )
         elif self.config is not None:
             logger.info("device is cpu: the offload config is accepted but offload is a no-op")
@@ -283,14 +286,23 @@ class Omni:
             self.info.path, dtype=self.dtype, variant=variant
         )
         self.pipeline.set_progress_bar_config(disable=not progress)
-        self.backend: ModelLevelOffloadBackend | None = None
+        self.backend: OffloadBackendBase | None = None
         if self.config is not None and not self.platform.is_noop:
-            self.backend = ModelLevelOffloadBackend(
-                self.config,
-                self.device,
-                component_roles=self.component_roles,
-                max_pinned_bytes=max_pinned_bytes,
-            )
+            if self.config.mode == "layer":
+                self.backend = LayerwiseOffloadBackend(
+                    self.config,
+                    self.device,
+                    layer_blocks=layer_blocks,
+                    component_roles=self.component_roles,
+                    max_pinned_bytes=max_pinned_bytes,
+                )
+            else:
+                self.backend = ModelLevelOffloadBackend(
+                    self.config,
+                    self.device,
+                    component_roles=self.component_roles,
+                    max_pinned_bytes=max_pinned_bytes,
+                )
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:
             self.pipeline.to(self.device)
@@ -303,7 +315,7 @@ class Omni:
             self.tracer = TraceRecorder()
             if self.backend is not None:
                 for weights in self.backend.components.values():
-                    if weights.selected:
+                    if weights.selected and weights.role != "block":  # blocks: too many events
                         self.tracer.watch(weights, weights.resident)
         self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
         self.load_seconds = time.perf_counter() - start

@@ -1,0 +1,430 @@
+"""Layer mode (``LayerwiseOffloadBackend``) on the fake accelerator: exact outputs, bytes,
+peaks, prefetch ordering (race detector), fallbacks, ``resident_layers``, overlap.
+
+Every run here also checks the fake device's race detector: 0 races.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
+from diffusion_offload.discovery import SupportsComponentDiscovery
+from diffusion_offload.layer_backend import BlockStreamer
+from diffusion_offload.testing import fake_accelerator as fa
+from diffusion_offload.testing import tiny_pipelines
+from diffusion_offload.testing.toy import SyntheticDiT
+
+LAYER = {"mode": "layer", "components": ["dit", "text_encoder"]}
+BLOCKS = 8
+
+
+@pytest.fixture(autouse=True)
+def _no_races(fake_device):
+    """Every test: the detector counts no race unless the test expects one."""
+    fa.reset_stats()
+    yield
+    fa.set_copy_bandwidth(None)
+
+
+def _races() -> int:
+    return fa.stats()["races_detected"]
+
+
+def _images(out) -> np.ndarray:
+    value = getattr(out, "images", None)
+    if value is None:
+        value = out.frames
+    return np.asarray(value, dtype=np.float64)
+
+
+def _run(pipe, kind: str, steps: int | None = None) -> np.ndarray:
+    kwargs = dict(tiny_pipelines.default_call_kwargs(kind))
+    if steps is not None:
+        kwargs["num_inference_steps"] = steps
+    out = pipe(
+        prompt="a cat on a mat",
+        negative_prompt="blurry",
+        output_type="np",
+        generator=torch.Generator("cpu").manual_seed(0),
+        **kwargs,
+    )
+    return _images(out)
+
+
+def _unique_bytes(components) -> int:
+    slots = {id(s): s for c in components for s in c.slots}
+    return sum(s.nbytes for s in slots.values())
+
+
+def _bound_parts(backend: LayerwiseOffloadBackend) -> tuple[int, int]:
+    """(non-block bytes of every component, bytes of the two largest streamed blocks)."""
+    comps = list(backend.components.values())
+    nonblock = _unique_bytes([c for c in comps if c.role != "block"])
+    blocks = sorted((c.evictable_bytes for c in comps if c.role == "block"), reverse=True)
+    return nonblock, sum(blocks[:2])
+
+
+@pytest.fixture(scope="module")
+def resident_results(fake_device_module):
+    """All-resident output, D2H bytes and activation peak of each tiny pipeline."""
+    dev = fake_device_module
+    out = {}
+    for kind in tiny_pipelines.KINDS:
+        pipe = tiny_pipelines.build(kind, num_layers=BLOCKS).to(dev)
+        fa.reset_stats()
+        weights = fa.stats()["allocated_bytes"]
+        images = _run(pipe, kind)
+        s = fa.stats()
+        out[kind] = {"images": images, "d2h": s["d2h_bytes"], "activations": s["peak_bytes"] - weights}
+        del pipe
+        gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_device_module():
+    return fa.install()
+
+
+@pytest.mark.parametrize("kind", tiny_pipelines.KINDS)
+def test_layer_mode_equals_all_resident_within_the_bound(kind, resident_results, fake_device):
+    ref = resident_results[kind]
+    gc.collect()
+    base = fa.stats()["allocated_bytes"]
+    pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
+    backend = LayerwiseOffloadBackend(LAYER, fake_device)
+    backend.enable(pipe)
+    dits = [n for n, seq in backend.blocks.items() if n.startswith("transformer")]
+    assert dits and all(len(backend.blocks[n]) == (2 if kind == "flux" else 1) * BLOCKS for n in dits)
+    nonblock, two = _bound_parts(backend)
+    bound = nonblock + two + ref["activations"]
+    fa.reset_stats()
+    assert fa.stats()["allocated_bytes"] - base == nonblock  # at rest: no streamed block
+    images = _run(pipe, kind)
+    s = fa.stats()
+    assert np.abs(images - ref["images"]).max() == 0.0
+    # no weight bytes come back: only the pipeline's own output and the write checks
+    # (one byte per block release, compared on the device)
+    assert backend.stats.d2h_bytes == 0
+    assert s["d2h_bytes"] == ref["d2h"] + backend.stats.check_d2h_bytes
+    assert s["peak_bytes"] - base <= bound, (s["peak_bytes"] - base, bound)
+    assert backend.streamer.max_on_device <= 2
+    assert backend.audit() == []
+    assert backend.stats.fallback_loads == 0
+    assert _races() == 0
+    backend.disable()
+
+    del pipe, backend
+    gc.collect()
+    assert fa.stats()["allocated_bytes"] == base
+    _BOUNDS[kind] = bound
+
+
+_BOUNDS: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("kind", tiny_pipelines.KINDS)
+def test_at_the_bound_only_layer_mode_runs(kind, resident_results, fake_device):
+    """Capacity = the bound measured above: layer mode runs, all-resident and module mode
+    run out of memory."""
+    if kind not in _BOUNDS:
+        pytest.skip("needs test_layer_mode_equals_all_resident_within_the_bound first")
+    gc.collect()
+    base = fa.stats()["allocated_bytes"]
+    fa.set_capacity(base + _BOUNDS[kind])
+    try:
+        pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
+        with LayerwiseOffloadBackend(LAYER, fake_device) as backend:
+            backend.enable(pipe)
+            assert np.abs(_run(pipe, kind) - resident_results[kind]["images"]).max() == 0.0
+        del pipe, backend
+        gc.collect()
+        with pytest.raises(torch.OutOfMemoryError):
+            _run(tiny_pipelines.build(kind, num_layers=BLOCKS).to(fake_device), kind)
+        gc.collect()
+        pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
+        with pytest.raises(torch.OutOfMemoryError):
+            with ModelLevelOffloadBackend({"mode": "module", "components": ["dit", "text_encoder"]}, fake_device) as b3:
+                b3.enable(pipe)
+                _run(pipe, kind)
+    finally:
+        fa.set_capacity(None)
+    assert _races() == 0
+
+
+def _dit_block_bytes(backend: LayerwiseOffloadBackend, name: str = "transformer") -> list[int]:
+    return [backend.components[f"{name}.{b}"].evictable_bytes for b in backend.blocks.get(name, [])]
+
+
+def _dit_forwards(pipe, kind: str, steps: int) -> int:
+    calls = [0]
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+    try:
+        _run(pipe, kind, steps)
+    finally:
+        handle.remove()
+    return calls[0]
+
+
+@pytest.mark.parametrize("kind", ["wan2.1"])
+def test_resident_layers_cut_h2d_by_exactly_k_blocks_per_dit_forward(kind, fake_device):
+    per_k = {}
+    forwards = {}
+    block_bytes = None
+    for k in (0, 1, BLOCKS):
+        config = {**LAYER, "layer_options": {"dit": {"resident_layers": k}}}
+        pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
+        with LayerwiseOffloadBackend(config, fake_device) as backend:
+            backend.enable(pipe)
+            assert len(backend.blocks.get("transformer", [])) == BLOCKS - k
+            if k == 0:
+                block_bytes = _dit_block_bytes(backend)
+            _run(pipe, kind)  # learn the order; the next request starts from its prediction
+            _run(pipe, kind)
+            start = backend.stats.snapshot()
+            forwards[k] = _dit_forwards(pipe, kind, 2)
+            spent = backend.stats.since(start)
+            per_k[k] = spent.h2d_bytes
+            assert spent.fallback_loads == 0 and spent.d2h_bytes == 0
+            # every streamed block loads exactly once per forward of its component
+            te = sum(backend.components[f"text_encoder.{b}"].evictable_bytes for b in backend.blocks["text_encoder"])
+            dit = sum(_dit_block_bytes(backend))
+            assert per_k[k] == 2 * te + 4 * dit  # prompt + negative prompt; 2 steps x guidance
+            assert backend.audit() == []
+    assert forwards[0] == forwards[1] == forwards[BLOCKS] == 4  # classifier-free guidance: 2 per step
+    assert block_bytes is not None and len(set(block_bytes)) == 1  # equal blocks
+    for k in (1, BLOCKS):
+        # the DiT's first k blocks no longer stream, on each of its 4 forwards (the order
+        # learned on the first request predicts every prefetch: nothing else moves)
+        assert per_k[0] - per_k[k] == 4 * sum(block_bytes[:k]), (k, per_k)
+    assert _races() == 0
+
+
+def test_two_vs_eight_steps_grow_h2d_by_the_streamed_blocks_per_forward(fake_device):
+    kind = "wan2.1"
+    pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
+    with LayerwiseOffloadBackend(LAYER, fake_device) as backend:
+        backend.enable(pipe)
+        streamed = sum(_dit_block_bytes(backend))
+        h2d = {}
+        fwd = {}
+        for steps in (2, 8):
+            _run(pipe, kind, steps)  # learn this request's order (from the 2nd request on,
+            _run(pipe, kind, steps)  # every prefetch is predicted right)
+            start = backend.stats.snapshot()
+            fwd[steps] = _dit_forwards(pipe, kind, steps)
+            h2d[steps] = backend.stats.since(start).h2d_bytes
+        assert fwd[8] - fwd[2] == 12
+        assert h2d[8] - h2d[2] == 12 * streamed
+        assert backend.stats.fallback_loads == 0
+    assert _races() == 0
+
+
+# ----------------------------------------------------------------------------- synthetic DiT
+
+
+class OneDiT(nn.Module, SupportsComponentDiscovery):
+    """A pipeline of one synthetic DiT (``transformer``)."""
+
+    _dit_modules: ClassVar[list[str]] = ["transformer"]
+    _encoder_modules: ClassVar[list[str]] = []
+    _vae_modules: ClassVar[list[str]] = []
+    _resident_modules: ClassVar[list[str]] = []
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.transformer = SyntheticDiT(**kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(x)
+
+
+def _synthetic_reference(fake_device, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    ref = OneDiT(**kwargs).to(fake_device)
+    with torch.no_grad():
+        return ref(x.to(fake_device)).cpu()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fallbacks_per_forward"),
+    [({"skip": (3,)}, 1), ({"repeat": (2,)}, 1), ({}, 0), ({"order": (0, 1, 5, 6, 7)}, 1)],
+)
+def test_skipped_or_repeated_blocks_fall_back_and_stay_exact(kwargs, fallbacks_per_forward, fake_device):
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    ref = _synthetic_reference(fake_device, x, num_blocks=8, **kwargs)
+    pipe = OneDiT(num_blocks=8, **kwargs)
+    with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
+        backend.enable(pipe)
+        with torch.no_grad():
+            for _ in range(3):
+                out = pipe(x.to(fake_device)).cpu()
+                assert torch.equal(out, ref)
+        assert backend.stats.fallback_loads == 3 * fallbacks_per_forward
+        assert backend.streamer.max_on_device <= 2
+        assert backend.audit() == []
+    assert _races() == 0
+
+
+def test_a_mover_that_skips_the_event_wait_is_caught(fake_device, monkeypatch):
+    pipe = OneDiT(num_blocks=4)
+    monkeypatch.setattr(BlockStreamer, "_wait", lambda self, block: None)
+    with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
+        backend.enable(pipe)
+        with pytest.raises(fa.RaceError, match=r"\["):
+            with torch.no_grad():
+                pipe(torch.zeros(1, 4, 8, device=fake_device))
+    assert _races() >= 1
+
+
+def test_a_mover_that_frees_a_block_before_compute_is_done_is_caught(fake_device, monkeypatch):
+    pipe = OneDiT(num_blocks=4)
+    monkeypatch.setattr(BlockStreamer, "_order_release", lambda self: None)
+    with pytest.raises(fa.RaceError):
+        with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
+            backend.enable(pipe)
+            with torch.no_grad():
+                pipe(torch.zeros(1, 4, 8, device=fake_device))
+    assert _races() >= 1
+
+
+def test_prefetch_overlaps_copies_with_compute(fake_device):
+    """16 equal blocks, copies slowed so one block's copy takes about one block's compute:
+    prefetch hides the copies (ideal ratio 0.5)."""
+    kwargs = {"num_blocks": 16, "width": 256, "heads": 4}
+    x = torch.randn(1, 256, 8, generator=torch.Generator().manual_seed(0))
+    resident = OneDiT(**kwargs).to(fake_device)
+    xd = x.to(fake_device)
+    with torch.no_grad():
+        resident(xd)
+        start = time.perf_counter()
+        for _ in range(3):
+            resident(xd)
+        per_block = (time.perf_counter() - start) / 3 / 16
+    block_bytes = sum(t.numel() * t.element_size() for t in resident.transformer.blocks[0].state_dict().values())
+    del resident
+    walls = {}
+    for prefetch in (True, False):
+        pipe = OneDiT(**kwargs)
+        with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device, prefetch=prefetch) as backend:
+            backend.enable(pipe)
+            with torch.no_grad():
+                pipe(xd)  # warm up, learn the order
+                fa.set_copy_bandwidth(block_bytes / per_block)
+                start = time.perf_counter()
+                for _ in range(3):
+                    pipe(xd)
+                walls[prefetch] = time.perf_counter() - start
+                fa.set_copy_bandwidth(None)
+    ratio = walls[True] / walls[False]
+    assert ratio <= 0.6, walls
+    assert _races() == 0
+
+
+def test_compiled_blocks_do_not_recompile(fake_device, monkeypatch):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    ref = _synthetic_reference(fake_device, x, num_blocks=4)
+    pipe = OneDiT(num_blocks=4)
+    with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
+        backend.enable(pipe)
+        for block in pipe.transformer.blocks:
+            block.compile(backend="eager")
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(pipe(x.to(fake_device)).cpu(), ref)
+        assert backend.audit() == []
+    torch._dynamo.reset()
+    assert _races() == 0
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def test_enable_rejects_a_component_without_blocks_and_a_block_claimed_twice(fake_device):
+    class NoBlocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    class Pipe(nn.Module, SupportsComponentDiscovery):
+        _dit_modules: ClassVar[list[str]] = ["transformer"]
+        _encoder_modules: ClassVar[list[str]] = []
+        _vae_modules: ClassVar[list[str]] = []
+        _resident_modules: ClassVar[list[str]] = []
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = NoBlocks()
+
+    pipe = Pipe()
+    with pytest.raises(ValueError, match="_layerwise_offload_blocks_attrs"):
+        LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device).enable(pipe)
+    assert pipe.transformer.proj.weight.device.type == "cpu"
+    twice = OneDiT(num_blocks=3)
+    backend = LayerwiseOffloadBackend(
+        {"mode": "layer", "components": ["dit"]}, fake_device, layer_blocks={"transformer": ["blocks", "blocks"]}
+    )
+    with pytest.raises(ValueError, match="streamed once"):
+        backend.enable(twice)
+    assert all(p.device.type == "cpu" for p in twice.parameters())
+    assert not backend.is_enabled()
+    with pytest.raises(ValueError, match="not components"):
+        LayerwiseOffloadBackend(
+            {"mode": "layer", "components": ["dit"]}, fake_device, layer_blocks={"unet": ["blocks"]}
+        ).enable(OneDiT(num_blocks=2))
+
+
+def test_layer_blocks_override_and_trunk_placement(fake_device):
+    gc.collect()
+    base = fa.stats()["allocated_bytes"]
+    pipe = OneDiT(num_blocks=4)
+    with LayerwiseOffloadBackend(
+        {"mode": "layer", "components": ["dit"]}, fake_device, layer_blocks={"transformer": ["blocks"]}
+    ) as backend:
+        backend.enable(pipe)
+        dit = pipe.transformer
+        assert backend.blocks == {"transformer": ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]}
+        for module in (dit.proj_in, dit.norm_out, dit.head):
+            assert all(p.device == fake_device for p in module.parameters())
+        for block in dit.blocks:
+            assert all(t.device.type == "cpu" for t in [*block.parameters(), *block.buffers()])
+            assert all(p.is_pinned() for p in block.parameters())
+        assert fa.stats()["allocated_bytes"] - base == sum(
+            p.numel() * p.element_size() for m in (dit.proj_in, dit.norm_out, dit.head) for p in m.parameters()
+        )
+        backend.disable()
+        backend.disable()  # idempotent
+        assert not backend.is_enabled()
+
+
+def test_a_block_written_while_resident_is_written_back(fake_device):
+    pipe = OneDiT(num_blocks=3)
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    block = pipe.transformer.blocks[1]
+
+    def bump(module, args):
+        module.fc1.weight.data.add_(1.0)  # a ``.data`` in-place write, invisible to _version
+
+    with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
+        backend.enable(pipe)
+        before = block.fc1.weight.detach().clone()
+        handle = block.register_forward_pre_hook(bump)
+        with torch.no_grad():
+            pipe(x.to(fake_device))
+        handle.remove()
+        assert block.fc1.weight.device.type == "cpu"
+        assert torch.equal(block.fc1.weight.detach(), before + 1.0)
+        assert backend.stats.d2h_bytes == block.fc1.weight.numel() * 4
+        assert backend.audit() == []
+    assert _races() == 0
