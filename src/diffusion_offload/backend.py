@@ -23,6 +23,7 @@ from . import hostmem
 from .config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from .discovery import Component, discover_components
 from .hooks import HookHandle, SequentialOffloadHook, attach_hook, get_handle
+from .policy import MemoryPolicy, resolve_budget
 from .platform import Platform, platform_for, same_device
 from .residency import ComponentWeights, WeightTable, named_tensors
 from .split import SupportsModelCpuOffload
@@ -296,7 +297,11 @@ class OffloadBackendBase:
 class ModelLevelOffloadBackend(OffloadBackendBase):
     """Model-level offload: one hook per execution-stage module, mutual exclusion of groups.
 
-    Args: see ``OffloadBackendBase`` (``config``'s ``mode`` must be ``"module"``).
+    Args: see ``OffloadBackendBase`` (``config``'s ``mode`` must be ``"module"``), and
+        device_memory_budget: bytes of component weights that may stay resident, ``"auto"``
+            (free device memory at enable minus max(10 % of the device, 1 GiB) for
+            activations; unlimited on the fake device without a capacity), or None (the
+            default): the strict rule. See ``diffusion_offload.policy``.
 
     Raises:
         TypeError, ValueError: an invalid config (``mode="layer"``: use
@@ -304,6 +309,34 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
     """
 
     MODE = "module"
+
+    def __init__(
+        self,
+        config: DiffusionOffloadConfig | Mapping[str, Any] | str,
+        device: str | torch.device | int,
+        *,
+        component_roles: Mapping[str, str] | None = None,
+        use_hsdp: bool = False,
+        max_pinned_bytes: int | None = None,
+        device_memory_budget: int | str | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            device,
+            component_roles=component_roles,
+            use_hsdp=use_hsdp,
+            max_pinned_bytes=max_pinned_bytes,
+        )
+        if device_memory_budget is not None:
+            # validate now (the bytes of "auto" are measured at enable)
+            from .policy import resolve_budget
+
+            if device_memory_budget != "auto":
+                resolve_budget(device_memory_budget, self.platform)
+            elif not isinstance(device_memory_budget, str):
+                raise TypeError(f"device_memory_budget must be bytes, 'auto' or None, got {device_memory_budget!r}")
+        self.device_memory_budget = device_memory_budget
+        self.policy: MemoryPolicy | None = None
 
     def audit(self) -> list[str]:
         """Every breach of the residency invariant; ``[]`` when all holds.
@@ -347,6 +380,14 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
                             f"(resident={comp.resident}, evictable={slot.evictable})"
                         )
             groups: dict[str, list[str]] = {}
+            if self.policy is not None and not self.policy.strict:
+                budget = self.policy.budget
+                resident = self.policy.resident_bytes()
+                if budget is not None and resident > budget and not any(
+                    c.pending is not None for c in self.components.values()
+                ):
+                    out.append(f"{resident} bytes of weights resident, over the budget of {budget}")
+                return out
             for comp in self.components.values():
                 if comp.selected and comp.resident and comp.role != "vae":
                     key = "encoders" if comp.role in _ENCODER_ROLES else comp.name
@@ -371,6 +412,12 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
             for w in weights.values():
                 w._register_modules()
             self._establish(weights, txn)
+            policy = MemoryPolicy(None, self.platform, weights)
+            policy.budget = resolve_budget(
+                self.device_memory_budget, self.platform, policy.resident_bytes()
+            )
+            if policy.budget is not None:
+                policy.copy_stream = self.platform.new_stream()
             for comp in components:
                 hook = None
                 if comp.role in _STAGE_ROLES:
@@ -379,6 +426,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
                         self._exclusion(comp, weights),
                         self._companions(comp, weights),
                         self.lock,
+                        policy,
                     )
                 handles.append(
                     attach_hook(comp.module, hook, comp.name, child_hooks=selected[comp.name])
@@ -392,6 +440,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         self.components = weights
         self._table = table
         self._handles = handles
+        self.policy = policy
         self._enabled = True
 
     def _establish(self, weights: dict[str, ComponentWeights], txn: Transaction) -> None:

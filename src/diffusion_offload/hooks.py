@@ -36,13 +36,16 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .platform import same_device
 from .residency import ComponentWeights
+
+if TYPE_CHECKING:
+    from .policy import MemoryPolicy
 
 __all__ = ["HookHandle", "SequentialOffloadHook", "attach_hook", "get_hook", "offload_component"]
 
@@ -59,8 +62,11 @@ class SequentialOffloadHook:
             other selected encoders of an encoder: a pipeline's text encoders run back
             to back, so the encoder stage is one group).
         lock: the backend's lock; activations from several threads are serialized.
+        policy: the backend's ``MemoryPolicy`` (budget, order, prefetch, OOM retry), or
+            None: the strict rule, no retry.
 
-    ``pre_forward`` evicts before it loads, so the device never holds two groups.
+    ``pre_forward`` evicts before it loads, so under the strict rule the device never
+    holds two groups. With a budget the policy decides what to evict (see ``policy``).
     """
 
     def __init__(
@@ -69,10 +75,13 @@ class SequentialOffloadHook:
         exclusion: Sequence[ComponentWeights],
         companions: Sequence[ComponentWeights] = (),
         lock: threading.RLock | None = None,
+        policy: "MemoryPolicy | None" = None,
     ) -> None:
         self.component = component
         self.exclusion = tuple(c for c in exclusion if c is not component)
         self.group = (component, *(c for c in companions if c is not component))
+        self.stage = tuple(sorted(c.name for c in self.group))
+        self.policy = policy
         self.lock = lock if lock is not None else threading.RLock()
         self.context_depth = 0  # open ``offload_component`` contexts of this module
         self.active = True  # False once its handle is removed (``disable``)
@@ -83,15 +92,42 @@ class SequentialOffloadHook:
         self._non_blocking = component.mover.pin
 
     @property
+    def budgeted(self) -> bool:
+        """A memory budget governs this hook (not the strict rule)."""
+        return self.policy is not None and not self.policy.strict
+
+    @property
     def ready(self) -> bool:
-        """Nothing to do before the module runs: its group is resident and unchanged and
-        no excluded component is resident (O(group + exclusion), no tensor walk)."""
-        return all(c.ready for c in self.group) and not any(
-            c.resident or c.generation != c.synced for c in self.exclusion
-        )
+        """Nothing to do before the module runs: its group is resident and unchanged and,
+        under the strict rule, no excluded component is resident (O(group + exclusion),
+        no tensor walk)."""
+        if not all(c.ready for c in self.group):
+            return False
+        if self.budgeted:
+            return not (self.component.role == "vae" and self.policy.decode_needs_room and any(  # type: ignore[union-attr]
+                c.resident for c in self.exclusion
+            ))
+        return not any(c.resident or c.generation != c.synced for c in self.exclusion)
+
+    def _evict_for_budget(self) -> bool:
+        policy = self.policy
+        assert policy is not None
+        if self.component.role == "vae":
+            targets = list(self.exclusion) if policy.decode_needs_room else []
+        else:
+            need = policy._missing([c for c in self.group if c.pending is None])
+            candidates = list(policy.components.values())
+            targets = policy.victims(self.group, need, candidates)
+        moved = False
+        for other in targets:
+            if other.resident or other.generation != other.synced:
+                moved = bool(other.evict()) or moved
+        return moved
 
     def activate(self) -> bool:
-        """Evict the exclusion set, then load the group (which synchronizes).
+        """Make room (strict rule: evict the exclusion set; budget: the policy's victims),
+        then load the group (which synchronizes), then, with a budget, prefetch the next
+        stage.
 
         Returns True if any tensor moved. Parameterless components move nothing. Each
         eviction and load is all-or-nothing; an interrupted activation leaves every
@@ -99,13 +135,39 @@ class SequentialOffloadHook:
         """
         with self.lock:
             moved = False
-            for other in self.exclusion:
-                if other.resident or other.generation != other.synced:
-                    moved = bool(other.evict()) or moved
+            policy = self.policy
+            if self.budgeted:
+                moved = self._evict_for_budget()
+            else:
+                for other in self.exclusion:
+                    if other.resident or other.generation != other.synced:
+                        moved = bool(other.evict()) or moved
             for member in self.group:
+                if policy is not None and policy.finish_prefetch(member):
+                    continue
                 if not member.ready:
                     moved = bool(member.load()) or moved
+            if self.budgeted:
+                policy.prefetch_next(self.group, policy.group_of)  # type: ignore[union-attr]
             return moved
+
+    def recover_from_oom(self) -> list[str]:
+        """Evict every selected component outside this hook's group and empty the device
+        cache (the first OOM of a stage); returns the names evicted."""
+        with self.lock:
+            names = {c.name for c in self.group}
+            evicted = []
+            comps = self.policy.components.values() if self.policy is not None else self.exclusion
+            for comp in comps:
+                if comp.selected and comp.name not in names and comp.resident:
+                    comp.evict()
+                    evicted.append(comp.name)
+            if self.policy is not None:
+                self.policy.retries += 1
+                if self.component.role == "vae":
+                    self.policy.decode_needs_room = True
+            self._platform.empty_cache()
+            return evicted
 
     def _to_device(self, value: Any, moved: list[bool]) -> Any:
         if isinstance(value, torch.Tensor):
@@ -129,7 +191,10 @@ class SequentialOffloadHook:
         ``__init__`` (there, not at import, so importing the package does not import
         ``torch._dynamo``).
         """
-        if not self.ready:
+        policy = self.policy
+        if policy is not None and policy.observe(self.stage) and self.budgeted:
+            self.activate()  # a new stage: the policy may prefetch the next one
+        elif not self.ready:
             self.activate()
         moved = [False]
         if args:
@@ -199,15 +264,37 @@ class HookHandle:
         unbound = getattr(type(module), name)
         handle = self  # the module keeps its handle alive; the handle holds it weakly
 
-        def offload_entry(*args: Any, **kwargs: Any) -> Any:
-            mod = module_ref()
-            if mod is None:
-                raise ReferenceError("the offloaded module was deleted")
+        def run(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             if handle.active:
                 args, kwargs = hook.pre_forward(mod, args, kwargs)
             if previous is not None:
                 return previous(*args, **kwargs)
             return unbound(mod, *args, **kwargs)
+
+        def offload_entry(*args: Any, **kwargs: Any) -> Any:
+            mod = module_ref()
+            if mod is None:
+                raise ReferenceError("the offloaded module was deleted")
+            if not handle.active or hook.policy is None:
+                return run(mod, args, kwargs)
+            try:
+                return run(mod, args, kwargs)
+            except torch.OutOfMemoryError:
+                evicted = hook.recover_from_oom()
+            try:
+                return run(mod, args, kwargs)
+            except torch.OutOfMemoryError as exc:
+                from .policy import StageOutOfMemoryError
+
+                policy = hook.policy
+                budget = "none (strict rule)" if policy.budget is None else f"{policy.budget} bytes"
+                raise StageOutOfMemoryError(
+                    f"stage {handle.name!r} ({name}) ran out of device memory twice: after the "
+                    f"first out-of-memory error it evicted {evicted or 'nothing'} and emptied "
+                    f"the cache, then ran out again with {policy.resident_bytes()} bytes of "
+                    f"weights resident (device_memory_budget: {budget}); use a smaller "
+                    f"shape, a lower budget or more offload (mode='layer'): {exc}"
+                ) from exc
 
         offload_entry.__wrapped__ = unbound  # type: ignore[attr-defined]
         offload_entry.__doc__ = unbound.__doc__

@@ -134,6 +134,7 @@ class ComponentWeights:
         self.generation = 0
         self.synced = 0
         self.listeners: list[Callable[[str, "ComponentWeights", float], None]] = []
+        self.pending: PendingLoad | None = None  # an asynchronous load in flight
         weakref.finalize(module, _drop_slots, weakref.ref(self))
 
     @property
@@ -153,8 +154,9 @@ class ComponentWeights:
 
     @property
     def ready(self) -> bool:
-        """Resident with no structural change pending: nothing to do before it runs (O(1))."""
-        return self.resident and self.generation == self.synced
+        """Resident, no load in flight, no structural change pending: nothing to do before
+        it runs (O(1))."""
+        return self.resident and self.pending is None and self.generation == self.synced
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The component's tensors now (``named_tensors`` of its module, ``skip`` left out)."""
@@ -256,6 +258,72 @@ class ComponentWeights:
             self._count("load", start)
         return moved
 
+    def load_async(self, stream: Any) -> "PendingLoad":
+        """Queue the component's load on ``stream`` (a copy stream) and return at once.
+
+        The H2D copies and the fingerprints of the loaded tensors are queued on
+        ``stream``, followed by an event. Until ``finish_load`` the component is
+        ``resident`` but not ``ready``: nothing may read its weights before the consuming
+        stream waits on that event (``finish_load`` does). All or nothing.
+
+        Raises:
+            torch.OutOfMemoryError: no room for the component (nothing stays loaded).
+        """
+        from .transfer import fingerprints
+
+        start = time.perf_counter()
+        mover = self.mover
+        platform = mover.platform
+        txn = Transaction()
+        moved = 0
+        try:
+            with platform.use_stream(stream):
+                self.sync(txn)
+                loaded = []
+                for slot in self.slots:
+                    if slot.evictable:
+                        n = mover.load(slot, txn)
+                        if n:
+                            loaded.extend(slot.members)
+                        moved += n
+                    elif not slot.on_device(mover.device):
+                        moved += mover.place(slot, txn)
+                with torch.inference_mode(False), torch.no_grad():
+                    fps = fingerprints([m.payload for m in loaded]) if loaded else None
+                event = platform.new_event()
+                if event is not None:
+                    event.record(stream)
+        except BaseException:
+            if stream is not None:
+                stream.synchronize()  # no copy may still write what the rollback frees
+            txn.rollback()
+            raise
+        txn.commit()
+        self.resident = True
+        self.pending = PendingLoad(loaded, fps, event)
+        mover.stats.prefetches += 1
+        if moved:
+            self._count("load", start)
+        return self.pending
+
+    def finish_load(self, pending: "PendingLoad") -> None:
+        """Order the current stream after an ``load_async`` and record the loaded tensors'
+        fingerprints (read back now: 8 bytes a tensor, after the copy has completed)."""
+        if self.pending is not pending:
+            return
+        mover = self.mover
+        if pending.event is not None:
+            mover.platform.current_stream().wait_event(pending.event)
+        if pending.fps is not None:
+            fps = pending.fps.cpu().tolist()
+            stats = mover.stats
+            stats.fingerprint_bytes += sum(m.nbytes for m in pending.members)
+            stats.fingerprints += len(pending.members)
+            stats.check_d2h_bytes += 8 * len(pending.members)
+            for m, fp in zip(pending.members, fps):
+                m.fp = fp
+        self.pending = None
+
     def evict(self) -> int:
         """Point every evictable tensor back at its host copy; return the tensors moved.
 
@@ -267,6 +335,8 @@ class ComponentWeights:
         """
         if not self.selected or not (self.resident or self.generation != self.synced):
             return 0
+        if self.pending is not None:
+            self.finish_load(self.pending)
         start = time.perf_counter()
         mover = self.mover
         txn = Transaction()
@@ -289,6 +359,18 @@ class ComponentWeights:
     def __repr__(self) -> str:
         state = "resident" if self.resident else "host"
         return f"ComponentWeights({self.name!r}, role={self.role!r}, {state})"
+
+
+class PendingLoad:
+    """An asynchronous component load in flight: the tensors it loaded, their device
+    fingerprints (int64 ``(N,)``, or None) and the event recorded after them."""
+
+    __slots__ = ("members", "fps", "event")
+
+    def __init__(self, members: list[Any], fps: torch.Tensor | None, event: Any) -> None:
+        self.members = members
+        self.fps = fps
+        self.event = event
 
 
 def _drop_slots(ref: "weakref.ref[ComponentWeights]") -> None:
