@@ -19,6 +19,7 @@ __all__ = [
     "ModelLevelOffloadBackend",
     "Omni",
     "PartSwitcher",
+    "PlanRow",
     "SamplingParams",
     "SequentialOffloadHook",
     "SupportsComponentDiscovery",
@@ -26,6 +27,7 @@ __all__ = [
     "TransferStats",
     "offload_component",
     "parse_diffusion_offload_config",
+    "plan_offload",
 ]
 
 __version__ = "0.1.0"
@@ -45,6 +47,8 @@ _LAZY = {
     "Omni": ".engine",
     "SamplingParams": ".engine",
     "GenerationOutput": ".engine",
+    "PlanRow": ".planner",
+    "plan_offload": ".planner",
 }
 
 

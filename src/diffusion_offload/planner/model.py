@@ -1,0 +1,468 @@
+"""What the planner knows about a pipeline before loading it: components, bytes, blocks.
+
+A model is a local diffusers pipeline folder, a hub id found in the local Hugging Face
+cache (never downloaded: ``local_files_only``), or the hub id of a shipped weightless
+config (``planner/configs/<org>/<name>``: ``model_index.json`` and each component's
+``config.json``, no weights), in that order.
+
+Sizes:
+
+* With weight files, a component's persistent bytes come from its safetensors headers,
+  read with safetensors' own reader (``safe_open``; the header only, validated against the
+  file size), of the files diffusers loads for the chosen variant
+  (``engine.model_files.weight_files``: ``variant_compatible_siblings`` and sharded
+  indexes). Floating tensors count at the load dtype, except those the library keeps in
+  float32 (diffusers' ``_keep_in_fp32_modules`` for any load dtype; transformers'
+  ``_keep_in_fp32_modules`` for float16 and ``_keep_in_fp32_modules_strict`` for float16
+  and bfloat16), as ``from_pretrained(dtype=...)`` casts them.
+* Non-persistent buffers (rotary tables, position ids), which are not in the files but are
+  moved to the device with their module, come from the component built on the meta device.
+* A shipped weightless config has no files: every byte comes from the meta-built component
+  (its parameters and buffers, same dtype rule). Its parameter counts reproduce the
+  published sizes (``tests/test_planner_configs.py``).
+* Blocks (layer mode) are measured on the meta-built component: the bytes of each block's
+  parameters and buffers at the load dtype, in execution order.
+
+Tied weights are counted once, as they share one device storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..discovery import diffusers_role
+from ..engine.model_files import ModelError, weight_files
+
+__all__ = ["ComponentSize", "PlanModel", "configs_root", "load_plan_model", "shipped_models"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                      "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+WEIGHTLESS_KEY = "_diffusion_offload_weightless"
+"""Key of a shipped ``model_index.json`` that marks it weightless: ``{"dtype": ..., "source": ...}``."""
+
+
+def configs_root() -> Path:
+    """The folder of the shipped weightless configs (``<org>/<name>/model_index.json``)."""
+    return Path(__file__).parent / "configs"
+
+
+def shipped_models() -> list[str]:
+    """Hub ids of the shipped weightless configs, sorted."""
+    root = configs_root()
+    return sorted(f"{p.parent.parent.name}/{p.parent.name}" for p in root.glob("*/*/model_index.json"))
+
+
+@dataclass(frozen=True)
+class ComponentSize:
+    """One module component as the planner sees it.
+
+    Attributes:
+        name: the pipeline attribute (``"transformer"``).
+        role: ``dit``, ``text_encoder``, ``encoder``, ``vae`` or ``resident``.
+        class_name: the component's class.
+        nbytes: device bytes at the load dtype: weights plus non-persistent buffers (bytes).
+        params: parameter count (elements; tied parameters once).
+        blocks: bytes of each streamed block, in execution order (empty: no blocks found).
+        source: where ``nbytes`` comes from: ``"safetensors headers"`` or
+            ``"config (weightless)"``.
+        tied_extra: bytes of a Parameter held by several modules (tied embeddings), counted
+            once per extra holder: what ``module.to(device)`` copies again on a
+            PrivateUse1 device (the fake device, NPU), where PyTorch's ``_apply`` replaces
+            each holder's Parameter instead of using ``set_data`` (bytes).
+    """
+
+    name: str
+    role: str
+    class_name: str
+    nbytes: int
+    params: int
+    blocks: tuple[int, ...] = ()
+    source: str = "safetensors headers"
+    tied_extra: int = 0
+
+
+@dataclass
+class PlanModel:
+    """A pipeline resolved for planning.
+
+    Attributes:
+        model: the model as given (folder or hub id).
+        path: the pipeline folder read.
+        pipeline_class: ``_class_name`` of ``model_index.json``.
+        weightless: True for a shipped weightless config.
+        dtype: the load dtype of the floating weights.
+        components: module components in ``model_index.json`` order.
+        modules: the same components built on the meta device (for activation runs).
+        index: the parsed ``model_index.json``.
+        scheduler: the pipeline's scheduler, built from its config (None if it has none).
+    """
+
+    model: str
+    path: Path
+    pipeline_class: str
+    weightless: bool
+    dtype: torch.dtype
+    components: dict[str, ComponentSize]
+    modules: dict[str, nn.Module] = field(repr=False, default_factory=dict)
+    index: dict[str, Any] = field(repr=False, default_factory=dict)
+    scheduler: Any = field(repr=False, default=None)
+
+    def bytes_of(self, names: Iterator[str] | list[str] | set[str]) -> int:
+        """Total device bytes of the named components."""
+        return sum(self.components[n].nbytes for n in names)
+
+
+def _locate(model: str | os.PathLike) -> tuple[Path, bool]:
+    """The folder to read for ``model`` and whether it is a shipped weightless config.
+
+    Raises:
+        ModelError: not a folder, not in the local Hugging Face cache and not shipped.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path, False
+    text = str(model)
+    if path.exists():
+        raise ModelError(f"model {text!r} is a file, not a diffusers pipeline directory")
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise ModelError(
+            f"model {text!r} is not an existing directory nor a hub id of the form 'org/name'"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        cached = Path(snapshot_download(text, local_files_only=True))
+        if (cached / "model_index.json").is_file():
+            return cached, False
+    except Exception:  # not in the cache (huggingface_hub raises several types)
+        pass
+    shipped = configs_root() / text
+    if (shipped / "model_index.json").is_file():
+        return shipped, True
+    raise ModelError(
+        f"model {text!r} is not a local directory, is not in the local Hugging Face cache and "
+        f"has no shipped weightless config (shipped: {shipped_models()}); download it first "
+        f"(huggingface-cli download {text}) or pass a pipeline folder. The planner never "
+        "downloads weights"
+    )
+
+
+def _keep_fp32_rule(module: nn.Module, dtype: torch.dtype) -> tuple[str, ...] | None:
+    """Module name patterns kept in float32 when loading at ``dtype``, and the matching
+    style, as the owning library applies them; None when nothing is kept."""
+    if dtype == torch.float32:
+        return None
+    from transformers import PreTrainedModel
+
+    if isinstance(module, PreTrainedModel):
+        keep: set[str] = set()
+        if dtype == torch.float16:
+            keep |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        if dtype in (torch.float16, torch.bfloat16):
+            keep |= set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+        return tuple(sorted(keep)) or None
+    keep_diffusers = getattr(type(module), "_keep_in_fp32_modules", None)
+    return tuple(keep_diffusers) if keep_diffusers else None
+
+
+def _kept_fp32(name: str, keep: tuple[str, ...] | None) -> bool:
+    return bool(keep) and any(part in keep for part in name.split("."))
+
+
+def _cast_meta(module: nn.Module, dtype: torch.dtype, keep: tuple[str, ...] | None) -> None:
+    """Give the meta module the dtypes ``from_pretrained(dtype=...)`` gives the real one:
+    floating parameters and persistent buffers at ``dtype`` except those kept in float32;
+    non-persistent buffers as built."""
+    persistent = set(module.state_dict(keep_vars=True))
+    for full, param in list(module.named_parameters(remove_duplicate=True)):
+        if param.is_floating_point():
+            target = torch.float32 if _kept_fp32(full, keep) else dtype
+            if param.dtype != target:
+                param.data = param.data.to(target)
+    for full, buf in list(module.named_buffers(remove_duplicate=True)):
+        if buf.is_floating_point() and full in persistent:
+            target = torch.float32 if _kept_fp32(full, keep) else dtype
+            if buf.dtype != target:
+                owner, _, leaf = full.rpartition(".")
+                sub = module.get_submodule(owner) if owner else module
+                sub._buffers[leaf] = buf.to(target)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _build_meta(folder: Path, library: str, class_name: str, dtype: torch.dtype) -> nn.Module:
+    """Build component ``class_name`` of ``library`` from ``folder/config.json`` on the meta
+    device (no weights, no initialisation cost), cast as loading at ``dtype`` would.
+
+    Raises:
+        ModelError: the class is unknown or its config is unreadable.
+    """
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError):
+        raise ModelError(f"component class {library}.{class_name} is not available") from None
+    try:
+        if hasattr(cls, "load_config") and hasattr(cls, "from_config"):  # diffusers ModelMixin
+            config = cls.load_config(folder)
+            with torch.device("meta"):
+                module = cls.from_config(config)
+        else:  # transformers PreTrainedModel: built in the load dtype, as from_pretrained does
+            config = cls.config_class.from_pretrained(folder)
+            with torch.device("meta"), _default_dtype(dtype if dtype.is_floating_point else torch.float32):
+                module = cls(config)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ModelError(
+            f"cannot build {class_name} from {str(folder / 'config.json')!r}: "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        ) from None
+    module.eval()
+    _cast_meta(module, dtype, _keep_fp32_rule(module, dtype))
+    return module
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _module_bytes(module: nn.Module, only_nonpersistent: bool = False) -> int:
+    """Bytes of ``module``'s parameters and buffers (each storage-sharing tensor once)."""
+    persistent = set(module.state_dict(keep_vars=True)) if only_nonpersistent else set()
+    seen: set[int] = set()
+    total = 0
+    items: list[tuple[str, torch.Tensor]] = []
+    if not only_nonpersistent:
+        items += list(module.named_parameters(remove_duplicate=True))
+    items += list(module.named_buffers(remove_duplicate=True))
+    for name, t in items:
+        if only_nonpersistent and name in persistent:
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += _tensor_bytes(t)
+    return total
+
+
+def _tied_extra(module: nn.Module) -> int:
+    """Bytes of each Parameter times (its number of holding modules - 1)."""
+    holders: dict[int, list[Any]] = {}
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), [p, 0])[1] += 1
+    return sum(_tensor_bytes(p) * (n - 1) for p, n in holders.values())
+
+
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())  # parameters() yields each tied one once
+
+
+def _header_bytes(files: list[Path], dtype: torch.dtype, keep: tuple[str, ...] | None) -> int:
+    """Bytes at load dtype of every tensor in the safetensors headers of ``files``.
+
+    Raises:
+        ModelError: a truncated, corrupt or unreadable file (named).
+    """
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as fh:
+                for key in fh.keys():
+                    piece = fh.get_slice(key)
+                    numel = 1
+                    for dim in piece.get_shape():
+                        numel *= int(dim)
+                    stored = str(piece.get_dtype())
+                    if stored in _SAFETENSORS_FLOATS:
+                        target = torch.float32 if _kept_fp32(key, keep) else dtype
+                        total += numel * torch.tensor([], dtype=target).element_size()
+                    else:
+                        total += numel * _SAFETENSORS_BYTES.get(stored, 1)
+        except OSError as exc:
+            raise ModelError(f"weight file {str(file)!r} cannot be read: {exc.strerror or exc}") from None
+        except Exception as exc:  # SafetensorError: bad header or size mismatch
+            raise ModelError(
+                f"weight file {str(file)!r} cannot be read: truncated or corrupt "
+                f"({' '.join(str(exc).split())[:200] or type(exc).__name__}); download the model again"
+            ) from None
+    return total
+
+
+def _checkpoint_dtype(files: dict[str, list[Path]]) -> torch.dtype | None:
+    """The dominant floating dtype of the DiTs' files (else of all files), as
+    ``Omni(dtype="auto")`` picks it."""
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    names = [n for n in files if n.startswith(("transformer", "unet"))] or list(files)
+    for name in names:
+        for file in files[name]:
+            with safe_open(str(file), framework="numpy") as fh:
+                for key in fh.keys():
+                    piece = fh.get_slice(key)
+                    stored = str(piece.get_dtype())
+                    if stored in _SAFETENSORS_FLOATS:
+                        numel = 1
+                        for dim in piece.get_shape():
+                            numel *= int(dim)
+                        counts[stored] = counts.get(stored, 0) + numel
+    if not counts:
+        return None
+    return _SAFETENSORS_FLOATS[max(counts, key=counts.get)]
+
+
+def _blocks(module: nn.Module) -> tuple[int, ...]:
+    """Bytes of each block of ``module`` (layer mode), in execution order; () if none."""
+    try:
+        from ..blocks import discover_blocks  # layer mode's own discovery
+    except ImportError:  # pragma: no cover - layer mode not installed
+        discover_blocks = _fallback_blocks
+    try:
+        found = discover_blocks(module)
+    except (ValueError, TypeError):
+        return ()
+    return tuple(_module_bytes(block) for _, block in found)
+
+
+_FALLBACK_CONTAINERS = (
+    "blocks", "transformer_blocks", "single_transformer_blocks", "encoder.block",
+    "text_model.encoder.layers", "model.language_model.layers",
+)
+
+
+def _fallback_blocks(module: nn.Module, override: Any = None) -> list[tuple[str, nn.Module]]:
+    """Block containers of the models layer mode knows (used until ``blocks`` exists)."""
+    out: list[tuple[str, nn.Module]] = []
+    for path in _FALLBACK_CONTAINERS:
+        try:
+            container = module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            out += [(f"{path}.{i}", child) for i, child in enumerate(container)]
+    if not out:
+        raise ValueError(f"no blocks found in {type(module).__name__}")
+    return out
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, files: dict[str, list[Path]] | None,
+                  index: Mapping[str, Any]) -> torch.dtype:
+    """The load dtype: an explicit one, else the checkpoint's (``"auto"``/None), else the
+    dtype recorded in a weightless config, else float32.
+
+    Raises:
+        ValueError: a dtype name not in float32/float16/bfloat16/auto.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in (None, "auto"):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not allowed; allowed: ['auto', {', '.join(map(repr, _DTYPES))}]")
+        return _DTYPES[dtype]
+    if files:
+        found = _checkpoint_dtype(files)
+        if found is not None:
+            return found
+    recorded = (index.get(WEIGHTLESS_KEY) or {}).get("dtype")
+    return _DTYPES.get(recorded, torch.float32)
+
+
+def load_plan_model(
+    model: str | os.PathLike,
+    *,
+    variant: str | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    component_roles: Mapping[str, str] | None = None,
+) -> PlanModel:
+    """Resolve ``model`` and size its components without reading a weight.
+
+    Args:
+        model: a pipeline folder, a cached hub id, or a shipped config's hub id.
+        variant: weight file variant, as ``Omni(variant=...)``.
+        dtype: ``"auto"`` (the checkpoint's; a weightless config's recorded dtype),
+            ``"float32"``, ``"float16"``, ``"bfloat16"`` or a torch dtype.
+        component_roles: role overrides, as ``Omni(component_roles=...)``.
+
+    Raises:
+        ModelError: the model cannot be found, has no usable ``model_index.json``, or a
+            weight file is truncated or corrupt.
+        ValueError: a bad dtype or component role.
+    """
+    path, weightless = _locate(model)
+    index_file = path / "model_index.json"
+    if not index_file.is_file():
+        raise ModelError(f"{str(path)!r} is not a diffusers pipeline: no model_index.json")
+    try:
+        index = json.loads(index_file.read_text())
+        pipeline_class = str(index["_class_name"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"{str(index_file)!r} is not a valid model_index.json ({exc})") from None
+    files = {} if weightless else weight_files(path, variant)
+    load_dtype = resolve_dtype(dtype, files, index)
+    roles = dict(component_roles or {})
+    components: dict[str, ComponentSize] = {}
+    modules: dict[str, nn.Module] = {}
+    scheduler = None
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
+            continue
+        library, class_name = str(value[0]), str(value[1])
+        try:
+            cls = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError):
+            continue
+        if name == "scheduler" or class_name.endswith("Scheduler"):
+            try:
+                scheduler = cls.from_config(cls.load_config(path / name))
+            except (OSError, ValueError):
+                scheduler = None
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            continue  # tokenizers, processors
+        module = _build_meta(path / name, library, class_name, load_dtype)
+        modules[name] = module
+        role = roles.get(name) or diffusers_role(name) or "resident"
+        keep = _keep_fp32_rule(module, load_dtype)
+        if name in files:
+            nbytes = _header_bytes(files[name], load_dtype, keep) + _module_bytes(module, only_nonpersistent=True)
+            source = "safetensors headers"
+        else:
+            nbytes = _module_bytes(module)
+            source = "config (weightless)" if weightless else "config (no weight files)"
+        components[name] = ComponentSize(
+            name=name, role=role, class_name=class_name, nbytes=nbytes,
+            params=_param_count(module), blocks=_blocks(module), source=source,
+            tied_extra=_tied_extra(module),
+        )
+    for name in roles:
+        if name not in components:
+            raise ValueError(
+                f"component_roles names {name!r}, which is not a module component of "
+                f"{pipeline_class}; components: {sorted(components)}"
+            )
+    return PlanModel(str(model), path, pipeline_class, weightless, load_dtype, components,
+                     modules, index, scheduler)

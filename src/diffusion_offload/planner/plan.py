@@ -1,0 +1,442 @@
+"""``plan_offload``: what each offload candidate needs, before a single weight is loaded.
+
+For one model and one request shape the planner
+
+1. sizes every component from its safetensors headers (or a shipped weightless config),
+   see :mod:`.model`;
+2. replays one request on the meta device and measures the live activation bytes of each
+   segment of it (a stretch during which one component runs), under the attention memory
+   model of ``device_kind``, see :mod:`.stages` and :mod:`.memory`;
+3. for every candidate, walks the request's segments with that candidate's residency rule
+   and reports, per request: the most weight bytes resident at once (``resting_bytes``),
+   the most weight plus activation bytes (``peak_bytes``), the host-to-device bytes
+   (``h2d_bytes_per_request``, steady state: the second of two requests) and their time
+   at ``h2d_bandwidth`` (``transfer_seconds``).
+
+Residency rules (SPEC sections 4 and 10):
+
+* **all resident** (no offload): every component on the device.
+* **module** (``mode="module"``, strict: no budget): after ``enable`` the selected DiTs are
+  on the host and everything else on the device. A DiT's hook evicts the selected encoders
+  and every other selected DiT, then loads itself; an encoder's hook and the VAE's hook
+  evict the selected DiTs; unselected components never move. Evictions cost no transfer
+  (unmodified weights); every load copies the component's bytes host-to-device.
+* **layer** (``mode="layer"``, offered when ``LayerwiseOffloadBackend`` exists): the
+  non-block parts of the selected components, the first ``resident_layers`` blocks of each
+  selected DiT and a double buffer of the two largest blocks stay on the device, with the
+  unselected components; every forward call of a selected component streams its other
+  blocks host-to-device.
+* **module with a memory budget**: reserved (:func:`_budget_candidates`), added once the
+  memory-policy issue lands.
+
+Time: ``transfer_seconds = h2d_bytes_per_request / h2d_bandwidth``, as if no copy overlapped
+compute (layer mode overlaps them, so its real cost is lower). Compute is the same for
+every candidate, so the fastest candidate is the one that transfers least.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .memory import DEVICE_KINDS
+from .model import ComponentSize, PlanModel, load_plan_model
+from .stages import Request, StageReport, measure_request
+
+__all__ = [
+    "DEFAULT_H2D_BANDWIDTH",
+    "PlanRow",
+    "choose",
+    "fastest_fitting",
+    "format_plan",
+    "plan_model",
+    "plan_offload",
+]
+
+DEFAULT_H2D_BANDWIDTH = 25e9
+"""Default host-to-device bandwidth (bytes/s): pinned copies over PCIe 4.0 x16 reach about
+25 GB/s (PCIe 5.0 x16: about 50-55 GB/s)."""
+
+
+_PRIVATEUSE1 = ("fakegpu", "npu")  # device kinds registered as PyTorch's PrivateUse1
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One offload candidate for one model and request shape.
+
+    Attributes:
+        name: a short label (``"all resident"``, ``"module dit+text_encoder"``,
+            ``"layer dit+text_encoder k=4"``).
+        config: the ``Omni`` keyword arguments that select it, e.g.
+            ``{"diffusion_offload_config": {"mode": "module", "components": [...]}}``
+            (``None`` config: no offload).
+        resting_bytes: the most weight bytes on the device at any moment of a request
+            (bytes; what the resting-footprint fit check tests).
+        peak_bytes: the most weight plus activation bytes on the device at any moment of
+            a request (bytes).
+        h2d_bytes_per_request: host-to-device weight bytes of one request, steady state
+            (bytes).
+        transfer_seconds: ``h2d_bytes_per_request`` at the planned bandwidth (seconds).
+        fits: ``peak_bytes <= device_memory``.
+    """
+
+    name: str
+    config: dict[str, Any]
+    resting_bytes: int
+    peak_bytes: int
+    h2d_bytes_per_request: int
+    transfer_seconds: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    name: str
+    config: dict[str, Any]
+    kind: str  # "resident", "module", "layer"
+    selected: frozenset[str] = frozenset()
+    resident_layers: int = 0
+
+
+def _selectable(pm: PlanModel, roles: Sequence[str]) -> frozenset[str]:
+    return frozenset(n for n, c in pm.components.items() if c.role in roles)
+
+
+def _module_candidates(pm: PlanModel) -> list[_Candidate]:
+    has_dit = any(c.role == "dit" for c in pm.components.values())
+    has_te = any(c.role == "text_encoder" for c in pm.components.values())
+    selections = []
+    if has_dit and has_te:
+        selections.append(("dit", "text_encoder"))
+    if has_dit:
+        selections.append(("dit",))
+    if has_te:
+        selections.append(("text_encoder",))
+    out = []
+    for sel in selections:
+        config = {"mode": "module", "components": list(sel)}
+        out.append(_Candidate(f"module {'+'.join(sel)}", {"diffusion_offload_config": config},
+                              "module", _selectable(pm, sel)))
+    return out
+
+
+def _budget_candidates(pm: PlanModel) -> list[_Candidate]:
+    """Module mode with ``device_memory_budget`` (SPEC section 11): none until the memory
+    policy exists. Its rows will carry ``{"diffusion_offload_config": ...,
+    "device_memory_budget": bytes}`` and evict only what the next group needs."""
+    return []
+
+
+def layer_mode_available() -> bool:
+    """Whether ``diffusion_offload.LayerwiseOffloadBackend`` can be imported."""
+    import diffusion_offload
+
+    try:
+        getattr(diffusion_offload, "LayerwiseOffloadBackend")
+    except (AttributeError, ImportError, NotImplementedError):
+        return False
+    return True
+
+
+def _layer_selection(pm: PlanModel) -> tuple[str, ...]:
+    dits = [c for c in pm.components.values() if c.role == "dit"]
+    if not dits or any(not c.blocks for c in dits):
+        return ()
+    tes = [c for c in pm.components.values() if c.role == "text_encoder"]
+    return ("dit", "text_encoder") if tes and all(c.blocks for c in tes) else ("dit",)
+
+
+def _layer_candidate(pm: PlanModel, sel: tuple[str, ...], k: int) -> _Candidate:
+    config: dict[str, Any] = {"mode": "layer", "components": list(sel)}
+    if k:
+        config["layer_options"] = {"dit": {"resident_layers": k}}
+    return _Candidate(f"layer {'+'.join(sel)} k={k}", {"diffusion_offload_config": config},
+                      "layer", _selectable(pm, sel), k)
+
+
+def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
+          device_kind: str) -> tuple[int, int, int]:
+    """``(resting, peak, h2d per request)`` of ``cand`` over the request's segments (bytes)."""
+    comps = pm.components
+    if cand.kind == "resident":
+        weights = pm.bytes_of(comps)
+        if device_kind in _PRIVATEUSE1:  # ``pipeline.to()`` unties shared Parameters there
+            weights += sum(c.tied_extra for c in comps.values())
+        return weights, weights + max((p for _, p in report.segments), default=0), 0
+    if cand.kind == "layer":
+        return _walk_layer(pm, report, cand)
+    sel = cand.selected
+    sel_dits = {n for n in sel if comps[n].role == "dit"}
+    sel_encoders = sel - sel_dits
+    resident = {n for n in comps if n not in sel_dits}  # after enable
+    resting = peak = h2d = 0
+    for request in (0, 1):
+        moved = 0
+        for name, act in report.segments:
+            role = comps[name].role if name in comps else "resident"
+            if role == "dit":
+                resident -= sel_encoders | (sel_dits - {name})
+            elif role in ("text_encoder", "encoder", "vae"):
+                resident -= sel_dits
+            if name in sel and name not in resident:
+                resident.add(name)
+                moved += comps[name].nbytes
+            weights = pm.bytes_of(resident)
+            resting = max(resting, weights)
+            peak = max(peak, weights + act)
+        h2d = moved  # the second request: steady state
+    return resting, peak, h2d
+
+
+def _walk_layer(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[int, int, int]:
+    comps = pm.components
+    sel = cand.selected
+    blocks_all = sorted((b for n in sel for b in comps[n].blocks), reverse=True)
+    buffer = sum(blocks_all[:2])
+    weights = buffer
+    h2d = 0
+    for name, c in comps.items():
+        if name not in sel:
+            weights += c.nbytes
+            continue
+        keep = cand.resident_layers if c.role == "dit" else 0
+        weights += c.nbytes - sum(c.blocks) + sum(c.blocks[:keep])
+        h2d += report.calls.get(name, 0) * sum(c.blocks[keep:])
+    peak = weights + max((p for _, p in report.segments), default=0)
+    return weights, peak, h2d
+
+
+def _row(pm: PlanModel, report: StageReport, cand: _Candidate, device_memory: int,
+         bandwidth: float, device_kind: str) -> PlanRow:
+    resting, peak, h2d = _walk(pm, report, cand, device_kind)
+    return PlanRow(cand.name, cand.config, resting, peak, h2d, h2d / bandwidth, peak <= device_memory)
+
+
+def _layer_rows(pm: PlanModel, report: StageReport, device_memory: int, bandwidth: float,
+                kind: str) -> list[PlanRow]:
+    sel = _layer_selection(pm)
+    if not sel:
+        return []
+    most = min(len(c.blocks) for c in pm.components.values() if c.role == "dit")
+    rows = [_row(pm, report, _layer_candidate(pm, sel, 0), device_memory, bandwidth, kind)]
+    best = None
+    for k in range(1, most + 1):
+        row = _row(pm, report, _layer_candidate(pm, sel, k), device_memory, bandwidth, kind)
+        if not row.fits:
+            break
+        best = row
+    if best is not None:
+        rows.append(best)
+    return rows
+
+
+def fastest_fitting(rows: Sequence[PlanRow]) -> PlanRow | None:
+    """The row ``auto`` picks: the least transfer time among rows that fit, ties broken by
+    the smaller peak; None when none fits."""
+    fitting = [r for r in rows if r.fits]
+    return min(fitting, key=lambda r: (r.transfer_seconds, r.peak_bytes)) if fitting else None
+
+
+def _default_device_memory(device_kind: str) -> int:
+    import torch
+
+    module = getattr(torch, device_kind, None)
+    if device_kind == "fakegpu":
+        from ..testing import fake_accelerator
+
+        if fake_accelerator.is_installed() and fake_accelerator.stats()["capacity"] >= 0:
+            return fake_accelerator.stats()["capacity"]
+    elif module is not None and getattr(module, "is_available", lambda: False)():
+        return int(module.mem_get_info()[1])
+    raise ValueError(
+        f"device_memory is required: there is no {device_kind} device on this machine to read it "
+        "from (give bytes, e.g. device_memory=24 * 2**30, or --device-memory 24GiB)"
+    )
+
+
+def _check_positive(name: str, value: Any, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: an int >= 1")
+
+
+def plan_model(
+    pm: PlanModel,
+    request: Request,
+    device_memory: int,
+    *,
+    device_kind: str = "cuda",
+    h2d_bandwidth: float = DEFAULT_H2D_BANDWIDTH,
+) -> list[PlanRow]:
+    """The rows of an already loaded :class:`~.model.PlanModel` (see :func:`plan_offload`)."""
+    report = measure_request(pm, request, device_kind)
+    everything = _Candidate("all resident", {"diffusion_offload_config": None}, "resident")
+    rows = [_row(pm, report, everything, device_memory, h2d_bandwidth, device_kind)]
+    for cand in _module_candidates(pm) + _budget_candidates(pm):
+        rows.append(_row(pm, report, cand, device_memory, h2d_bandwidth, device_kind))
+    if layer_mode_available():
+        rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind)
+    return rows
+
+
+def resolve_request(pm: PlanModel, height: int | None, width: int | None, num_frames: int | None,
+                    steps: int | None, cfg: bool | None = None,
+                    max_sequence_length: int | None = None) -> Request:
+    """The request shape, omitted fields taking the model's defaults (as ``generate``).
+
+    Raises:
+        ValueError: a size the model does not take (named, with what is allowed).
+    """
+    import inspect
+
+    import diffusers
+
+    from ..engine.model_files import ModelInfo
+    from ..engine.requests import model_rules
+
+    cls = getattr(diffusers, pm.pipeline_class, None)
+    is_video = cls is not None and "num_frames" in inspect.signature(cls.__call__).parameters
+    info = ModelInfo(pm.path, pm.pipeline_class, {}, {}, is_video)
+    rules = model_rules(info)
+    for name, value in (("height", height), ("width", width), ("num_frames", num_frames),
+                        ("steps", steps), ("max_sequence_length", max_sequence_length)):
+        _check_positive(name, value)
+    rules.check({"height": height, "width": width, "num_frames": num_frames},
+                {"height": "height", "width": "width", "num_frames": "num_frames"})
+    values = rules.resolve({"height": height, "width": width, "num_frames": num_frames,
+                            "num_inference_steps": steps})
+    missing = [k for k in ("height", "width", "num_inference_steps") if values.get(k) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: the model has no default; give a value")
+    return Request(int(values["height"]), int(values["width"]),
+                   int(values["num_frames"]) if is_video and values.get("num_frames") else None,
+                   int(values["num_inference_steps"]), cfg, max_sequence_length)
+
+
+def plan_offload(
+    model: str | os.PathLike,
+    device_memory: int | None = None,
+    *,
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int | None = None,
+    steps: int | None = None,
+    device_kind: str = "cuda",
+    h2d_bandwidth: float = DEFAULT_H2D_BANDWIDTH,
+    dtype: str | None = "auto",
+    variant: str | None = None,
+    component_roles: Mapping[str, str] | None = None,
+    cfg: bool | None = None,
+    max_sequence_length: int | None = None,
+) -> list[PlanRow]:
+    """Predict, for every offload candidate, resting and peak device bytes and transfer cost.
+
+    No weight is read: sizes come from safetensors headers (or a shipped weightless config
+    for the hub ids of :func:`~.model.shipped_models`), activations from one request
+    replayed on the meta device.
+
+    Args:
+        model: a diffusers pipeline folder or hub id (local cache or shipped config; never
+            downloaded).
+        device_memory: bytes the device may allocate; None reads the total memory of the
+            ``device_kind`` device of this machine.
+        height, width: output size in pixels (None: the model's default).
+        num_frames: video frames (None: the model's default; ignored for image models).
+        steps: denoising steps (None: the model's default).
+        device_kind: one of ``cuda``, ``xpu``, ``npu``, ``mps``, ``fakegpu``, ``cpu``: picks
+            the attention memory model (see :mod:`.memory`).
+        h2d_bandwidth: host-to-device bandwidth in bytes/s (default 25e9).
+        dtype: load dtype, as ``Omni(dtype=...)`` (``"auto"``: the checkpoint's).
+        variant: weight variant, as ``Omni(variant=...)``.
+        component_roles: role overrides, as ``Omni(component_roles=...)``.
+        cfg: classifier-free guidance on/off (None: see :class:`~.stages.Request`).
+        max_sequence_length: text tokens (None: the pipeline's default).
+
+    Returns:
+        One :class:`PlanRow` per candidate: all resident, module mode for each selection
+        (``dit+text_encoder``, ``dit``, ``text_encoder``), and, when layer mode exists,
+        layer mode with 0 resident layers and with the most resident layers that fit.
+
+    Raises:
+        ModelError: the model cannot be found or read.
+        ValueError: a bad device kind, size, bandwidth, device memory or dtype, or a
+            pipeline without an activation model.
+    """
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind={device_kind!r} is not allowed; allowed: {list(DEVICE_KINDS)}")
+    if isinstance(h2d_bandwidth, bool) or not isinstance(h2d_bandwidth, (int, float)) or not h2d_bandwidth > 0:
+        raise ValueError(f"h2d_bandwidth={h2d_bandwidth!r} is not allowed; allowed: bytes/s > 0")
+    if device_memory is None:
+        device_memory = _default_device_memory(device_kind)
+    if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 0:
+        raise ValueError(f"device_memory={device_memory!r} is not allowed; allowed: an int >= 0 (bytes)")
+    pm = load_plan_model(model, variant=variant, dtype=dtype, component_roles=component_roles)
+    request = resolve_request(pm, height, width, num_frames, steps, cfg, max_sequence_length)
+    return plan_model(pm, request, device_memory, device_kind=device_kind, h2d_bandwidth=h2d_bandwidth)
+
+
+def _human(n: float) -> str:
+    from ..cli import human_bytes
+
+    return human_bytes(n)
+
+
+def choose(rows: Sequence[PlanRow], device_memory: int, what: str) -> PlanRow:
+    """The fastest fitting row, or a one-line ``FitError`` naming the smallest need.
+
+    Args:
+        rows: the plan.
+        device_memory: the bytes planned for (for the message).
+        what: the request and device in words (for the message).
+
+    Raises:
+        FitError: no row fits.
+    """
+    best = fastest_fitting(rows)
+    if best is not None:
+        return best
+    from ..engine.fit import FitError
+
+    smallest = min(rows, key=lambda r: r.peak_bytes)
+    raise FitError(
+        f"diffusion_offload_config='auto': no candidate fits in {_human(device_memory)} "
+        f"({device_memory} bytes) for {what}; the smallest need is '{smallest.name}' with a peak of "
+        f"{_human(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
+    )
+
+
+def format_plan(rows: Sequence[PlanRow], *, title: str = "") -> str:
+    """The rows as a text table in binary units; the row ``auto`` picks is marked ``*``."""
+    best = fastest_fitting(rows)
+    header = ("", "candidate", "resting", "peak", "H2D/request", "transfer", "fits")
+    table = [header]
+    for r in rows:
+        table.append((
+            "*" if r is best else "",
+            r.name,
+            _human(r.resting_bytes),
+            _human(r.peak_bytes),
+            _human(r.h2d_bytes_per_request),
+            f"{r.transfer_seconds:.2f} s",
+            "yes" if r.fits else "no",
+        ))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [title] if title else []
+    for i, row in enumerate(table):
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
+        cells += [c.rjust(w) for c, w in zip(row[2:], widths[2:])]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("* fastest candidate that fits (what --diffusion-offload-config auto picks)"
+                 if best is not None else "no candidate fits")
+    return "\n".join(lines)
+
+
+def describe_components(pm: PlanModel) -> list[ComponentSize]:
+    """The components, largest first (for the table's preamble)."""
+    return sorted(pm.components.values(), key=lambda c: -c.nbytes)

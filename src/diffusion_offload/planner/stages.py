@@ -1,0 +1,521 @@
+"""One request of a pipeline, replayed on the meta device to measure its activation memory.
+
+Each supported pipeline family has a program that mirrors what its diffusers ``__call__``
+(0.42) keeps on the device, in the same order: the token ids moved to the device, each
+text encoder's forward (the real module, built on the meta device, at
+``max_sequence_length``), the prompt embeddings the pipeline keeps and post-processes,
+the latents, the denoiser's forward at the latent shape (twice per step with
+classifier-free guidance, or once at batch 2 for SD3), the guidance arithmetic, the
+scheduler's real ``step`` (the pipeline's own scheduler, whose state, e.g. UniPC's
+previous model outputs, is part of the measurement), the latent de-normalisation, the
+VAE's ``decode`` of the full video and the image processor's de-normalisation (what
+``postprocess`` does on the device before moving the result to the host).
+
+Everything runs under :class:`~.memory.LiveBytes`, which counts live bytes exactly as a
+device allocator; weights are not counted here (they are added per candidate from the
+safetensors headers). The program reports **segments**: for every stretch of the request
+during which one component is the one running (from the moment its offload hook fires
+to the next component's hook), the peak of live activation bytes in it. A candidate's
+peak is then ``max(resident weights during the segment + segment peak)``.
+
+Denoising steps repeat the same shapes, so only the first two steps of each denoiser run
+their forward; later steps replay the measured forward (an allocation of its internal peak,
+freed, then one of its output's shape), while the scheduler's ``step`` runs for every step.
+
+Supported: ``WanPipeline``, ``FluxPipeline``, ``StableDiffusion3Pipeline``,
+``QwenImagePipeline``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .memory import LiveBytes, attention_model
+from .model import PlanModel
+
+__all__ = ["FAMILIES", "Request", "StageReport", "measure_request"]
+
+_META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class Request:
+    """The request shape a plan is for.
+
+    Attributes:
+        height, width: output size (pixels).
+        num_frames: frames of a video (None for image pipelines).
+        steps: denoising steps.
+        cfg: classifier-free guidance on (two denoiser passes per step, or batch 2);
+            None: the pipeline's behaviour with a negative prompt given and its default
+            guidance (Wan, SD3, Qwen-Image: on; FLUX.1-dev, guidance-distilled: off).
+        max_sequence_length: text tokens of the T5/UMT5 encoders (None: the pipeline's
+            default: Wan 512, FLUX 512, SD3 256, Qwen-Image 512 for the denoiser; Qwen-Image's
+            encoder reads up to 1024 + 34 template tokens).
+    """
+
+    height: int
+    width: int
+    num_frames: int | None
+    steps: int
+    cfg: bool | None = None
+    max_sequence_length: int | None = None
+
+
+@dataclass
+class StageReport:
+    """What one replayed request measured.
+
+    Attributes:
+        segments: ``(component, peak activation bytes)`` in execution order; the peak
+            includes every tensor the pipeline keeps alive then (bytes).
+        calls: forward calls per component in a full request (for layer-mode transfers).
+        leftover: bytes a request leaves allocated for the next one (scheduler state,
+            model caches); already included in every segment's peak, as the steady state
+            of back-to-back requests (an upper bound for segments after the scheduler
+            resets).
+    """
+
+    segments: list[tuple[str, int]] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+    leftover: int = 0
+
+    @property
+    def used(self) -> list[str]:
+        """Components that run in a request, in first-use order."""
+        out: list[str] = []
+        for name, _ in self.segments:
+            if name not in out:
+                out.append(name)
+        return out
+
+
+class _Run:
+    """Segment bookkeeping around a :class:`LiveBytes` tracker."""
+
+    def __init__(self, tracker: LiveBytes) -> None:
+        self.tracker = tracker
+        self.report = StageReport()
+        self._current: list[Any] | None = None
+        self._replay: dict[str, tuple[int, int]] = {}  # component -> (real runs, internal peak)
+        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # first output
+
+    def use(self, component: str) -> None:
+        """The hook of ``component`` fires: a new segment starts (or the current goes on)."""
+        self._close()
+        self.report.calls[component] = self.report.calls.get(component, 0) + 1
+        if self._current is not None and self._current[0] == component:
+            self.tracker.reset_peak()
+            return
+        self.tracker.reset_peak()
+        self._current = [component, self.tracker.now]
+        self.report.segments.append(tuple(self._current))  # type: ignore[arg-type]
+
+    def _close(self) -> None:
+        if self._current is None:
+            return
+        self._current[1] = max(self._current[1], self.tracker.peak)
+        self.report.segments[-1] = (self._current[0], self._current[1])
+
+    def finish(self) -> StageReport:
+        self._close()
+        return self.report
+
+    def forward(self, component: str, module: nn.Module, replay_after: int | None, *args: Any,
+                **kwargs: Any) -> Any:
+        """Call ``module`` (in component ``component``'s segment) and return its first
+        output; after ``replay_after`` real runs, replay the measured internal peak
+        instead (same shapes, same bytes)."""
+        self.use(component)
+        runs, internal = self._replay.get(component, (0, 0))
+        if replay_after is not None and runs >= replay_after and component in self._shapes:
+            shape, dtype = self._shapes[component]
+            scratch = torch.empty(internal, dtype=torch.uint8, device=_META)
+            del scratch
+            return torch.empty(shape, dtype=dtype, device=_META)
+        before = self.tracker.now
+        self.tracker.reset_peak()
+        out = module(*args, **kwargs)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        internal = max(internal, self.tracker.peak - before - _nbytes(first))
+        self._replay[component] = (runs + 1, internal)
+        self._shapes[component] = (tuple(first.shape), first.dtype)
+        # the peak inside the call counts for the segment
+        self._current[1] = max(self._current[1], self.tracker.peak)  # type: ignore[index]
+        self.report.segments[-1] = (self._current[0], self._current[1])  # type: ignore[index]
+        return first
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A device tensor the pipeline makes (counted by the tracker)."""
+    return torch.empty(shape, dtype=dtype, device=_META)
+
+
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    """The module's dtype as diffusers/transformers report it (first floating parameter)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _vae_scale(vae: nn.Module) -> int:
+    cfg = vae.config
+    if getattr(cfg, "scale_factor_spatial", None):
+        return int(cfg.scale_factor_spatial)
+    if getattr(cfg, "temperal_downsample", None) is not None:
+        return 2 ** len(cfg.temperal_downsample)
+    return 2 ** (len(cfg.block_out_channels) - 1)
+
+
+def _timesteps(pm: PlanModel, steps: int, mu: float | None = None,
+               sigmas: Any = None) -> list[torch.Tensor]:
+    """The scheduler's timesteps on the host, as the pipeline sets them."""
+    sched = pm.scheduler
+    kwargs: dict[str, Any] = {}
+    if sigmas is not None:
+        kwargs["sigmas"] = sigmas
+    if mu is not None:
+        kwargs["mu"] = mu
+    if kwargs:
+        sched.set_timesteps(device="cpu", **kwargs)
+    else:
+        sched.set_timesteps(steps, device="cpu")
+    sched.set_begin_index(0)
+    return list(sched.timesteps)
+
+
+def _postprocess(image: torch.Tensor) -> torch.Tensor:
+    """``VaeImageProcessor.postprocess``'s device work for ``output_type="pil"``: per-image
+    ``denormalize`` then ``stack`` (the result then moves to the host)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor().postprocess(image, output_type="pt")
+
+
+def _guided(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    return uncond + scale * (cond - uncond)
+
+
+# ---------------------------------------------------------------------- Wan
+
+
+def _wan(pm: PlanModel, req: Request, run: _Run) -> None:
+    m = pm.modules
+    te = m["text_encoder"]
+    dits = [n for n in ("transformer", "transformer_2") if n in m]
+    dit_dtype = _dtype_of(m[dits[0]])
+    length = req.max_sequence_length or 512
+    cfg = True if req.cfg is None else req.cfg
+    embeds = []
+    for _ in range(2 if cfg else 1):
+        run.use("text_encoder")
+        ids, mask = _dev((1, length), torch.int64), _dev((1, length), torch.int64)
+        out = te(ids, mask).last_hidden_state
+        del ids, mask
+        out = out.to(dtype=_dtype_of(te))
+        views = [u[:1] for u in out]  # a one-token prompt: the largest padding
+        del out
+        stacked = torch.stack([torch.cat([u, u.new_zeros(length - u.size(0), u.size(1))]) for u in views])
+        del views
+        embeds.append(stacked.repeat(1, 1, 1).view(1, length, -1))
+        del stacked
+    embeds = [e.to(dit_dtype) for e in embeds]
+    transformer = m[dits[0]]
+    vae = m["vae"]
+    scale = _vae_scale(vae)
+    frames = req.num_frames or 1
+    temporal = getattr(vae.config, "scale_factor_temporal", None) or 4
+    latent_shape = (1, transformer.config.in_channels, (frames - 1) // temporal + 1,
+                    req.height // scale, req.width // scale)
+    timesteps = _timesteps(pm, req.steps)
+    t_dev = _dev((len(timesteps),), pm.scheduler.timesteps.dtype)
+    latents = _dev(latent_shape, torch.float32)
+    ones = torch.ones(latents.shape, dtype=torch.float32, device=_META)  # WanPipeline's ``mask``
+    ratio = pm.index.get("boundary_ratio")
+    boundary = ratio * pm.scheduler.config.num_train_timesteps if ratio is not None else None
+    for i, t in enumerate(timesteps):
+        name = dits[0] if boundary is None or t >= boundary or len(dits) == 1 else dits[1]
+        model_input = latents.to(_dtype_of(m[name]))
+        timestep = t_dev[i].expand(latents.shape[0])
+        noise = run.forward(name, m[name], 2 * (2 if cfg else 1), hidden_states=model_input,
+                            timestep=timestep, encoder_hidden_states=embeds[0], return_dict=False)
+        if cfg:
+            uncond = run.forward(name, m[name], 2 * 2, hidden_states=model_input, timestep=timestep,
+                                 encoder_hidden_states=embeds[1], return_dict=False)
+            noise = _guided(noise, uncond, 4.0)
+            del uncond
+        del model_input, timestep
+        latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
+        del noise
+    del ones
+    latents = latents.to(dtype=_dtype_of(vae))
+    z = vae.config.z_dim
+    mean, std = _dev((1, z, 1, 1, 1), latents.dtype), _dev((1, z, 1, 1, 1), latents.dtype)
+    latents = latents / std + mean
+    run.use("vae")
+    video = vae.decode(latents, return_dict=False)[0]
+    del latents
+    outs = [_postprocess(video[b].permute(1, 0, 2, 3)) for b in range(video.shape[0])]
+    del outs, video
+
+
+# ---------------------------------------------------------------------- FLUX
+
+
+def _flux(pm: PlanModel, req: Request, run: _Run) -> None:
+    from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
+
+    m = pm.modules
+    clip, t5, dit, vae = m["text_encoder"], m["text_encoder_2"], m["transformer"], m["vae"]
+    length = req.max_sequence_length or 512
+    cfg = False if req.cfg is None else req.cfg  # true CFG needs true_cfg_scale > 1
+    prompts = []
+    for _ in range(2 if cfg else 1):
+        run.use("text_encoder")
+        ids = _dev((1, 77), torch.int64)
+        out = clip(ids, output_hidden_states=False)
+        del ids
+        pooled = out.pooler_output
+        del out
+        pooled = pooled.to(dtype=_dtype_of(clip)).repeat(1, 1).view(1, -1)
+        run.use("text_encoder_2")
+        ids = _dev((1, length), torch.int64)
+        embeds = t5(ids, output_hidden_states=False)[0]
+        del ids
+        embeds = embeds.to(dtype=_dtype_of(t5)).repeat(1, 1, 1).view(1, length, -1)
+        text_ids = _dev((length, 3), embeds.dtype)
+        prompts.append((embeds, pooled, text_ids))
+    dtype = prompts[0][0].dtype
+    scale = _vae_scale(vae)
+    h, w = 2 * (req.height // (scale * 2)), 2 * (req.width // (scale * 2))
+    channels = dit.config.in_channels // 4
+    latents = FluxPipeline._pack_latents(_dev((1, channels, h, w), dtype), 1, channels, h, w)
+    image_ids = _dev(((h // 2) * (w // 2), 3), dtype)
+    cfg_sched = pm.scheduler.config
+    mu = calculate_shift(latents.shape[1], cfg_sched.get("base_image_seq_len", 256),
+                         cfg_sched.get("max_image_seq_len", 4096), cfg_sched.get("base_shift", 0.5),
+                         cfg_sched.get("max_shift", 1.15))
+    import numpy as np
+
+    sigmas = np.linspace(1.0, 1 / req.steps, req.steps)
+    if cfg_sched.get("use_flow_sigmas", False):
+        sigmas = None
+    timesteps = _timesteps(pm, req.steps, mu=mu, sigmas=sigmas)
+    t_dev = _dev((len(timesteps),), torch.float32)
+    guidance = (torch.full([1], 3.5, dtype=torch.float32, device=_META).expand(1)
+                if dit.config.guidance_embeds else None)
+    passes = 2 if cfg else 1
+    for i, t in enumerate(timesteps):
+        timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
+        outs = []
+        for embeds, pooled, text_ids in prompts:
+            outs.append(run.forward("transformer", dit, 2 * passes, hidden_states=latents,
+                                    timestep=timestep / 1000, guidance=guidance,
+                                    pooled_projections=pooled, encoder_hidden_states=embeds,
+                                    txt_ids=text_ids, img_ids=image_ids, return_dict=False))
+        noise = _guided(outs[0], outs[1], 4.0) if cfg else outs[0]
+        del outs, timestep
+        latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
+        del noise
+    latents = FluxPipeline._unpack_latents(latents, req.height, req.width, scale)
+    latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+    run.use("vae")
+    image = vae.decode(latents, return_dict=False)[0]
+    del latents
+    image = _postprocess(image)
+    del image
+
+
+# ---------------------------------------------------------------------- SD3
+
+
+def _sd3(pm: PlanModel, req: Request, run: _Run) -> None:
+    m = pm.modules
+    dit, vae = m["transformer"], m["vae"]
+    length = req.max_sequence_length or 256
+    cfg = True if req.cfg is None else req.cfg
+    encoded = []
+    for _ in range(2 if cfg else 1):
+        clips = []
+        for name in ("text_encoder", "text_encoder_2"):
+            enc = m[name]
+            run.use(name)
+            ids = _dev((1, 77), torch.int64)
+            out = enc(ids, output_hidden_states=True)
+            del ids
+            pooled = out[0]
+            embeds = out.hidden_states[-2]
+            del out
+            embeds = embeds.to(dtype=_dtype_of(m["text_encoder"])).repeat(1, 1, 1).view(1, 77, -1)
+            pooled = pooled.repeat(1, 1).view(1, -1)
+            clips.append((embeds, pooled))
+        clip_embeds = torch.cat([clips[0][0], clips[1][0]], dim=-1)
+        if "text_encoder_3" in m:
+            t5 = m["text_encoder_3"]
+            run.use("text_encoder_3")
+            ids = _dev((1, length), torch.int64)
+            t5_embeds = t5(ids)[0]
+            del ids
+            t5_embeds = t5_embeds.to(dtype=_dtype_of(t5)).repeat(1, 1, 1).view(1, length, -1)
+        else:
+            t5_embeds = torch.zeros((1, length, dit.config.joint_attention_dim),
+                                    dtype=_dtype_of(m["text_encoder"]), device=_META)
+        clip_embeds = torch.nn.functional.pad(clip_embeds, (0, t5_embeds.shape[-1] - clip_embeds.shape[-1]))
+        embeds = torch.cat([clip_embeds, t5_embeds], dim=-2)
+        pooled = torch.cat([clips[0][1], clips[1][1]], dim=-1)
+        del clips, clip_embeds, t5_embeds
+        encoded.append((embeds, pooled))
+    if cfg:
+        embeds = torch.cat([encoded[1][0], encoded[0][0]], dim=0)
+        pooled = torch.cat([encoded[1][1], encoded[0][1]], dim=0)
+    else:
+        embeds, pooled = encoded[0]
+    scale = _vae_scale(vae)
+    latents = _dev((1, dit.config.in_channels, req.height // scale, req.width // scale), embeds.dtype)
+    timesteps = _timesteps(pm, req.steps)
+    t_dev = _dev((len(timesteps),), pm.scheduler.timesteps.dtype)
+    for i, t in enumerate(timesteps):
+        model_input = torch.cat([latents] * 2) if cfg else latents
+        timestep = t_dev[i].expand(model_input.shape[0])
+        noise = run.forward("transformer", dit, 2, hidden_states=model_input, timestep=timestep,
+                            encoder_hidden_states=embeds, pooled_projections=pooled,
+                            return_dict=False)
+        del model_input, timestep
+        if cfg:
+            uncond, cond = noise.chunk(2)
+            noise = _guided(cond, uncond, 7.0)
+            del uncond, cond
+        latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
+        del noise
+    latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+    run.use("vae")
+    image = vae.decode(latents, return_dict=False)[0]
+    del latents
+    image = _postprocess(image)
+    del image
+
+
+# ---------------------------------------------------------------------- Qwen-Image
+
+
+def _qwen_image(pm: PlanModel, req: Request, run: _Run) -> None:
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline, calculate_shift
+
+    m = pm.modules
+    te, dit, vae = m["text_encoder"], m["transformer"], m["vae"]
+    drop, cap = 34, 1024  # QwenImagePipeline: prompt template prefix, tokenizer_max_length
+    length = req.max_sequence_length or 512
+    tokens = cap + drop  # the encoder reads the whole (truncated) templated prompt
+    cfg = True if req.cfg is None else req.cfg
+    prompts = []
+    for _ in range(2 if cfg else 1):
+        run.use("text_encoder")
+        ids, mask = _dev((1, tokens), torch.int64), _dev((1, tokens), torch.int64)
+        position_ids = None
+        out = te(input_ids=ids, attention_mask=mask, output_hidden_states=True, position_ids=position_ids)
+        hidden = out.hidden_states[-1]
+        bool_mask = mask.bool()
+        lengths = bool_mask.sum(dim=1)
+        selected = _dev((tokens, hidden.shape[-1]), hidden.dtype)  # hidden[bool_mask]
+        split = [e[drop:] for e in torch.split(selected, [tokens], dim=0)]
+        masks = [torch.ones(e.size(0), dtype=torch.long, device=_META) for e in split]
+        width = max(e.size(0) for e in split)
+        embeds = torch.stack([torch.cat([u, u.new_zeros(width - u.size(0), u.size(1))]) for u in split])
+        attn = torch.stack([torch.cat([u, u.new_zeros(width - u.size(0))]) for u in masks])
+        del out, hidden, bool_mask, lengths, selected, split, masks, ids, mask
+        embeds = embeds.to(dtype=_dtype_of(te))
+        embeds = embeds[:, :length]
+        embeds = embeds.repeat(1, 1, 1).view(1, embeds.shape[1], -1)
+        attn = attn[:, :length].repeat(1, 1).view(1, -1)
+        del attn  # all ones: the pipeline passes no mask
+        prompts.append(embeds)
+    scale = _vae_scale(vae)
+    h, w = 2 * (req.height // (scale * 2)), 2 * (req.width // (scale * 2))
+    channels = dit.config.in_channels // 4
+    latents = QwenImagePipeline._pack_latents(_dev((1, 1, channels, h, w), prompts[0].dtype), 1, channels, h, w)
+    img_shapes = [[(1, req.height // scale // 2, req.width // scale // 2)]]
+    cfg_sched = pm.scheduler.config
+    mu = calculate_shift(latents.shape[1], cfg_sched.get("base_image_seq_len", 256),
+                         cfg_sched.get("max_image_seq_len", 4096), cfg_sched.get("base_shift", 0.5),
+                         cfg_sched.get("max_shift", 1.15))
+    import numpy as np
+
+    timesteps = _timesteps(pm, req.steps, mu=mu, sigmas=np.linspace(1.0, 1 / req.steps, req.steps))
+    t_dev = _dev((len(timesteps),), torch.float32)
+    passes = 2 if cfg else 1
+    for i, t in enumerate(timesteps):
+        timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
+        outs = [run.forward("transformer", dit, 2 * passes, hidden_states=latents,
+                            timestep=timestep / 1000, guidance=None, encoder_hidden_states_mask=None,
+                            encoder_hidden_states=embeds, img_shapes=img_shapes, return_dict=False)
+                for embeds in prompts]
+        if cfg:
+            comb = _guided(outs[0], outs[1], 4.0)
+            cond_norm = torch.norm(outs[0], dim=-1, keepdim=True)
+            noise_norm = torch.norm(comb, dim=-1, keepdim=True)
+            noise = comb * (cond_norm / noise_norm)
+            del comb, cond_norm, noise_norm
+        else:
+            noise = outs[0]
+        del outs, timestep
+        latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
+        del noise
+    latents = QwenImagePipeline._unpack_latents(latents, req.height, req.width, scale)
+    latents = latents.to(_dtype_of(vae))
+    z = vae.config.z_dim
+    mean, std = _dev((1, z, 1, 1, 1), latents.dtype), _dev((1, z, 1, 1, 1), latents.dtype)
+    latents = latents / std + mean
+    run.use("vae")
+    image = vae.decode(latents, return_dict=False)[0][:, :, 0]
+    del latents
+    image = _postprocess(image)
+    del image
+
+
+FAMILIES: dict[str, Callable[[PlanModel, Request, _Run], None]] = {
+    "WanPipeline": _wan,
+    "FluxPipeline": _flux,
+    "StableDiffusion3Pipeline": _sd3,
+    "QwenImagePipeline": _qwen_image,
+}
+"""Pipeline class -> its replay program."""
+
+
+def measure_request(pm: PlanModel, req: Request, device_kind: str) -> StageReport:
+    """Replay one request of ``pm`` at ``req``'s shapes on the meta device under the memory
+    model of ``device_kind`` and return its segments.
+
+    Raises:
+        ValueError: the pipeline class has no replay program, or ``device_kind`` is unknown.
+    """
+    program = FAMILIES.get(pm.pipeline_class)
+    if program is None:
+        raise ValueError(
+            f"the planner has no activation model for {pm.pipeline_class}; supported pipelines: "
+            f"{sorted(FAMILIES)}"
+        )
+    attention = attention_model(device_kind)
+    tracker = LiveBytes()
+    run = _Run(tracker)
+    import gc
+
+    with torch.no_grad(), attention(), tracker:  # as diffusers' __call__ (composite ops decompose)
+        program(pm, req, run)
+        gc.collect()
+    report = run.finish()
+    # what a request leaves on the device (the scheduler's last model outputs and sample,
+    # its timesteps, models' caches) is still there while the next request runs
+    report.leftover = tracker.now
+    report.segments = [(name, peak + tracker.now) for name, peak in report.segments]
+    return report
