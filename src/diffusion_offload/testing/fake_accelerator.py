@@ -680,9 +680,14 @@ def _merge(into: dict[int, int], clock: dict[int, int]) -> None:
 
 
 def _sleep_until(t: float) -> None:
+    """Block the host until ``time.perf_counter() >= t``: a sleep for all but the last
+    millisecond, then a spin, so that short waits (a copy finishing just after the
+    compute it overlapped) cost their length and not a scheduler wake-up."""
     delay = t - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
+    if delay > 0.002:
+        time.sleep(delay - 0.001)
+    while time.perf_counter() < t:
+        pass
 
 
 def _require_installed() -> None:
