@@ -377,6 +377,18 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .cli_args import check_serve_args
+
+    check_serve_args(args)
+    if args.ray:
+        try:
+            from .server.ray_serve import serve_ray
+        except ImportError as exc:
+            raise CliError(
+                f"--ray needs Ray Serve, which is not installed ({exc}); install it with "
+                "pip install 'diffusion_offload[ray]'"
+            ) from None
+        return serve_ray(args)
     from .server.app import serve
 
     return serve(args)

@@ -19,6 +19,7 @@ __all__ = [
     "EXIT_USAGE",
     "CliError",
     "build_parser",
+    "check_serve_args",
     "parse_bytes",
     "parse_config_args",
     "read_config_arg",
@@ -132,6 +133,61 @@ def _bytes_type(text: str) -> int:
 
 
 _bytes_type.__name__ = "size"
+
+
+def _autoscale_type(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` generator replicas, ``1 <= MIN <= MAX``."""
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    low, high = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if match is None or not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(
+            f"must be MIN:MAX generator replicas with 1 <= MIN <= MAX, e.g. 1:4, got {text!r}"
+        )
+    return low, high
+
+
+_autoscale_type.__name__ = "MIN:MAX"
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Checks of ``serve``'s Ray flags that argparse cannot express.
+
+    Raises:
+        CliError: ``--replicas``/``--autoscale``/``--ray-address``/``--ingress-replicas``
+            without ``--ray``; ``--replicas`` with ``--autoscale``; ``--device cuda:N``
+            with ``--ray`` (each replica gets its own GPU as ``cuda``).
+    """
+    ray_flags = [
+        (flag, value)
+        for flag, value in (
+            ("--replicas", getattr(args, "replicas", None)),
+            ("--autoscale", getattr(args, "autoscale", None)),
+            ("--ray-address", getattr(args, "ray_address", None)),
+            ("--ingress-replicas", getattr(args, "ingress_replicas", None)),
+        )
+        if value is not None
+    ]
+    if not getattr(args, "ray", False):
+        if ray_flags:
+            flag, value = ray_flags[0]
+            shown = ":".join(map(str, value)) if isinstance(value, tuple) else value
+            raise CliError(
+                f"{flag} {shown} needs --ray (plain serve runs one pipeline in one process); "
+                f"add --ray to run replicas on Ray Serve"
+            )
+        return
+    if args.replicas is not None and args.autoscale is not None:
+        raise CliError(
+            f"--replicas {args.replicas} and --autoscale {args.autoscale[0]}:{args.autoscale[1]} "
+            "are mutually exclusive: give a fixed count (--replicas N) or a range "
+            "(--autoscale MIN:MAX), not both"
+        )
+    device = (args.device or "").strip().lower()
+    if re.fullmatch(r"cuda:\d+", device):
+        raise CliError(
+            f"--device {args.device} with --ray: Ray gives each generator replica its own GPU, "
+            "seen as cuda; use --device cuda (or omit --device)"
+        )
 
 
 def read_config_arg(text: str | None) -> Any:
@@ -322,6 +378,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-stored-jobs", type=_int("--max-stored-jobs", 1), default=100,
                      help="most video jobs kept; the oldest finished ones are dropped first "
                           "(default: 100)")
+    ray_group = srv.add_argument_group(
+        "Ray Serve (pip install 'diffusion_offload[ray]')",
+        "Scale out: one generator replica per accelerator, shared job state, the same API.",
+    )
+    ray_group.add_argument("--ray", action="store_true",
+                           help="serve on Ray Serve instead of one process (default: off)")
+    ray_group.add_argument("--replicas", type=_int("--replicas", 1), metavar="N",
+                           help="generator replicas, one per accelerator (needs --ray; default: "
+                                "one per GPU in the cluster, else 1)")
+    ray_group.add_argument("--autoscale", type=_autoscale_type, metavar="MIN:MAX",
+                           help="scale generator replicas from MIN to MAX with the queue length "
+                                "(needs --ray; not with --replicas; default: fixed --replicas)")
+    ray_group.add_argument("--ray-address", metavar="ADDRESS",
+                           help="an existing Ray cluster, e.g. ray://head:10001 or auto (needs "
+                                "--ray; default: start a local cluster on this machine)")
+    ray_group.add_argument("--ingress-replicas", type=_int("--ingress-replicas", 1), metavar="N",
+                           help="HTTP ingress replicas; any of them serves any job (needs --ray; "
+                                "default: 1)")
 
     tiny = sub.add_parser(
         "make-tiny", help="write a tiny random-weight pipeline in diffusers format",

@@ -13,9 +13,10 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .model_files import ModelInfo
+if TYPE_CHECKING:  # importing model_files imports diffusers; the Ray ingress needs neither
+    from .model_files import ModelInfo
 
 __all__ = ["DEFAULT_FPS", "ModelRules", "build_omni", "frames_for_seconds", "model_rules"]
 

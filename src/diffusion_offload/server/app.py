@@ -47,9 +47,9 @@ from fastapi import FastAPI
 from .metrics import MetricsMiddleware
 from .middleware import GuardMiddleware, InternalErrorMiddleware
 from .routes import add_routes
-from .state import ServerSettings, ServerState
+from .state import BaseServerState, ServerSettings, ServerState
 
-__all__ = ["ServerSettings", "ServerState", "create_app", "serve"]
+__all__ = ["ServerSettings", "ServerState", "build_app", "create_app", "serve"]
 
 logger = logging.getLogger("diffusion_offload.server")
 
@@ -66,7 +66,17 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     Returns:
         The app; ``app.state.server`` is its :class:`ServerState`.
     """
-    state = ServerState(engine, settings)
+    return build_app(ServerState(engine, settings))
+
+
+def build_app(state: BaseServerState) -> FastAPI:
+    """The FastAPI app over ``state``: the routes, error envelopes, guards and metrics.
+
+    ``state.start()`` runs at startup and ``state.stop()`` (off the event loop) at shutdown.
+    :func:`create_app` builds it over a local engine; the Ray Serve ingress
+    (:mod:`.ray_serve`) over its shared job index.
+    """
+    settings = state.settings
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,7 +1,9 @@
-"""A bounded job queue served by one worker thread, and the store of video jobs.
+"""A bounded job queue served by worker threads, and the store of video jobs.
 
 One pipeline per process: every generation (image requests too) is a :class:`Job` run by
-the single worker, one at a time, in arrival order. ``max_queue`` bounds the jobs
+the single worker, one at a time, in arrival order. (The Ray Serve job index runs one
+worker per generator replica: ``JobManager(workers=N)`` runs up to N jobs at once, still
+started in arrival order.) ``max_queue`` bounds the jobs
 *waiting* (the running one is not counted); :meth:`JobManager.submit` raises
 :class:`QueueFull` beyond it.
 
@@ -71,6 +73,8 @@ class Job:
         error: ``{"code", "message"}`` when failed.
         result: the runner's return value when completed.
         created_at, started_at, completed_at: Unix times (seconds).
+        replica: which replica ran it (``generator-0``...) under Ray Serve; None in a
+            single process.
     """
 
     kind: str
@@ -84,6 +88,7 @@ class Job:
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     completed_at: float | None = None
+    replica: str | None = None
     _callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
     _fired: bool = field(default=False, repr=False)
 
@@ -116,7 +121,7 @@ class Job:
 
 
 class JobManager:
-    """Bounded FIFO of jobs, one worker thread, and the store of kept jobs.
+    """Bounded FIFO of jobs, worker threads (one by default), and the store of kept jobs.
 
     Args:
         runner: ``runner(job) -> result``, run in the worker thread; an exception fails
@@ -129,6 +134,8 @@ class JobManager:
             the exception itself is always logged.
         job_ttl: seconds a finished kept job stays retrievable (None: forever).
         max_stored: most kept jobs; the oldest finished ones are dropped first.
+        workers: worker threads, so at most this many jobs run at once (default 1: one
+            pipeline, one job at a time).
     """
 
     def __init__(
@@ -140,7 +147,10 @@ class JobManager:
         error_message: Callable[[Job, BaseException], str] | None = None,
         job_ttl: float | None = None,
         max_stored: int | None = None,
+        workers: int = 1,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self.runner = runner
         self.max_queue = max_queue
         self.on_finish = on_finish
@@ -151,10 +161,11 @@ class JobManager:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._store: dict[str, Job] = {}
-        self._running: Job | None = None
+        self._running: list[Job] = []
         self._accepting = True
         self._stopping = False
-        self._worker: threading.Thread | None = None
+        self.workers = workers
+        self._workers: list[threading.Thread] = []
         self._reaper: threading.Thread | None = None
 
     # ------------------------------------------------------------------ queue
@@ -166,8 +177,14 @@ class JobManager:
 
     @property
     def running(self) -> Job | None:
-        """The job the worker is running, if any."""
-        return self._running
+        """The job the worker is running (the oldest running one with several workers)."""
+        running = self._running
+        return running[0] if running else None
+
+    @property
+    def running_count(self) -> int:
+        """Jobs running now (0 to ``workers``)."""
+        return len(self._running)
 
     @property
     def accepting(self) -> bool:
@@ -175,13 +192,14 @@ class JobManager:
         return self._accepting
 
     def start(self) -> None:
-        """Start the worker thread (idempotent)."""
+        """Start the worker threads (idempotent)."""
         with self._cond:
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._work, name="diffusion-offload-worker", daemon=True
-                )
-                self._worker.start()
+            if not self._workers:
+                for i in range(self.workers):
+                    name = "diffusion-offload-worker" + (f"-{i}" if self.workers > 1 else "")
+                    worker = threading.Thread(target=self._work, name=name, daemon=True)
+                    self._workers.append(worker)
+                    worker.start()
 
     def submit(self, job: Job) -> Job:
         """Queue ``job``.
@@ -304,7 +322,7 @@ class JobManager:
                 job = self._waiting.popleft()
                 job.status = IN_PROGRESS
                 job.started_at = time.time()
-                self._running = job
+                self._running.append(job)
             error: BaseException | None = None
             result = None
             try:
@@ -312,7 +330,7 @@ class JobManager:
             except BaseException as exc:  # noqa: BLE001 - every failure fails the job, never the worker
                 error = exc
             with self._cond:
-                self._running = None
+                self._running.remove(job)
                 ours = job.status == IN_PROGRESS  # not already failed by the shutdown reaper
                 if ours:
                     if error is None:
@@ -338,10 +356,10 @@ class JobManager:
     # ------------------------------------------------------------------ shutdown
 
     def begin_shutdown(self, grace: float) -> None:
-        """Stop accepting, fail the queued jobs, and give the running one ``grace`` seconds.
+        """Stop accepting, fail the queued jobs, and give the running ones ``grace`` seconds.
 
-        Returns at once (idempotent); a reaper thread marks the running job failed if it
-        is still running after ``grace`` seconds.
+        Returns at once (idempotent); a reaper thread marks the running jobs failed if
+        they are still running after ``grace`` seconds.
         """
         with self._cond:
             if not self._accepting:
@@ -366,31 +384,32 @@ class JobManager:
 
     def _reap(self, deadline: float, grace: float) -> None:
         with self._cond:
-            while self._running is not None and time.monotonic() < deadline:
+            while self._running and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
-            job = self._running
-            if job is None or job.status != IN_PROGRESS:
-                return
-            self._fail(
-                job,
-                "server_shutdown",
-                f"the server shut down: the job did not finish within the {grace:g} s "
-                "shutdown grace",
-            )
-            logger.error(
-                "job %s marked failed: still running after the %g s shutdown grace", job.id, grace
-            )
-        self._finish_outside_lock(job)
+            late = [job for job in self._running if job.status == IN_PROGRESS]
+            for job in late:
+                self._fail(
+                    job,
+                    "server_shutdown",
+                    f"the server shut down: the job did not finish within the {grace:g} s "
+                    "shutdown grace",
+                )
+                logger.error(
+                    "job %s marked failed: still running after the %g s shutdown grace",
+                    job.id, grace,
+                )
+        for job in late:
+            self._finish_outside_lock(job)
 
     def shutdown(self, grace: float, settle: float = 5.0) -> bool:
         """Shut down: ``begin_shutdown(grace)``, then wait for the worker.
 
-        Waits for the running job up to the grace deadline, then up to ``settle`` more
-        seconds for the worker to return from a job marked failed (runners stop
+        Waits for the running jobs up to the grace deadline, then up to ``settle`` more
+        seconds for the workers to return from jobs marked failed (runners stop
         cooperatively at their next step).
 
         Returns:
-            True if the worker has stopped (no generation still running).
+            True if the workers have stopped (no generation still running).
         """
         self.begin_shutdown(grace)
         if self._reaper is not None:
@@ -398,9 +417,8 @@ class JobManager:
         return self.join(settle)
 
     def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the worker thread to stop; True if it has."""
-        worker = self._worker
-        if worker is None:
-            return True
-        worker.join(timeout=timeout)
-        return not worker.is_alive()
+        """Wait up to ``timeout`` seconds for the worker threads to stop; True if they have."""
+        deadline = time.monotonic() + timeout
+        for worker in list(self._workers):
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(worker.is_alive() for worker in self._workers)

@@ -18,12 +18,16 @@ Exposed at ``GET /metrics`` (text format):
   read at scrape time (so they equal ``Omni.stats``).
 - ``diffusion_offload_peak_device_memory_bytes``: the highest per-request peak device
   memory seen; ``diffusion_offload_last_peak_device_memory_bytes``: the latest request's.
+
+Several processes (the Ray Serve replicas) each take a :meth:`ServerMetrics.snapshot` of
+their own families; :func:`merge_snapshots` renders them as one exposition, adding each
+part's labels (``replica="generator-0"``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -34,11 +38,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import Match
 
-__all__ = ["CONTENT_TYPE_LATEST", "MetricsMiddleware", "ServerMetrics"]
+__all__ = [
+    "CONTENT_TYPE_LATEST", "ENGINE_FAMILIES", "HTTP_FAMILIES", "JOB_FAMILIES", "MetricsMiddleware",
+    "ServerMetrics", "Snapshot", "merge_snapshots",
+]
 
 _PREFIX = "diffusion_offload"
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -52,6 +59,56 @@ _STATS = (
     ("evictions", "weight_evictions", "Component evictions that moved weights off the device."),
     ("transfer_seconds", "weight_transfer_seconds", "Seconds spent in weight loads and evictions."),
 )
+
+
+HTTP_FAMILIES = frozenset(f"{_PREFIX}_{n}" for n in ("http_requests", "http_request_duration_seconds"))
+"""Families counted where HTTP requests are answered."""
+JOB_FAMILIES = frozenset(
+    f"{_PREFIX}_{n}" for n in ("jobs", "job_queue_seconds", "job_run_seconds", "queue_depth", "jobs_running")
+)
+"""Families counted where jobs are queued and finished."""
+ENGINE_FAMILIES = frozenset(
+    [f"{_PREFIX}_{n}" for n in ("model_loaded", "peak_device_memory_bytes",
+                                "last_peak_device_memory_bytes")]
+    + [f"{_PREFIX}_{name}" for _, name, _ in _STATS]
+)
+"""Families of the engine (one per generator)."""
+
+Snapshot = list[tuple[str, str, str, str, list[tuple[str, dict[str, str], float]]]]
+"""Metric families as plain data: ``(name, documentation, type, unit, samples)``, each
+sample ``(sample name, labels, value)``."""
+
+
+class _Families:
+    """A registry stand-in for ``generate_latest``: yields prepared families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def merge_snapshots(parts: Iterable[tuple[dict[str, str], Snapshot]]) -> bytes:
+    """One Prometheus text exposition of several snapshots.
+
+    Args:
+        parts: ``(labels, snapshot)`` pairs; ``labels`` (e.g. ``{"replica": "generator-0"}``,
+            or ``{}``) are added to every sample of that snapshot. Families of the same
+            name are merged (the first part's documentation and type win).
+
+    Returns:
+        The exposition (``CONTENT_TYPE_LATEST``).
+    """
+    families: dict[str, Metric] = {}
+    for labels, snap in parts:
+        for name, doc, kind, unit, samples in snap:
+            family = families.get(name)
+            if family is None:
+                family = families[name] = Metric(name, doc, kind, unit)
+            for sample_name, sample_labels, value in samples:
+                family.add_sample(sample_name, {**sample_labels, **labels}, value)
+    return generate_latest(_Families(list(families.values())))
 
 
 class _EngineStatsCollector(Collector):
@@ -164,6 +221,26 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+    def snapshot(self, names: Iterable[str] | None = None) -> Snapshot:
+        """The current values as plain (picklable) data, for :func:`merge_snapshots`.
+
+        Args:
+            names: only these families (e.g. :data:`HTTP_FAMILIES`); None: all of them.
+                ``*_created`` samples are left out.
+        """
+        wanted = None if names is None else frozenset(names)
+        out: Snapshot = []
+        for family in self.registry.collect():
+            if wanted is not None and family.name not in wanted:
+                continue
+            samples = [
+                (sample.name, dict(sample.labels), float(sample.value))
+                for sample in family.samples
+                if not sample.name.endswith("_created")
+            ]
+            out.append((family.name, family.documentation, family.type, family.unit, samples))
+        return out
 
 
 class MetricsMiddleware:

@@ -25,9 +25,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import APIError
-from .state import ServerState
+from .state import BaseServerState
 
-__all__ = ["GuardMiddleware", "InternalErrorMiddleware"]
+__all__ = ["GuardMiddleware", "InternalErrorMiddleware", "key_matches"]
 
 logger = logging.getLogger("diffusion_offload.server")
 
@@ -61,6 +61,16 @@ def _host_name(value: str) -> str:
     if value.startswith("["):
         return value[1 : value.find("]")] if "]" in value else value
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def key_matches(authorization: bytes | str | None, key: str) -> bool:
+    """True when an ``Authorization`` header value is ``Bearer KEY`` (compared as bytes,
+    in constant time)."""
+    if authorization is None:
+        return False
+    raw = authorization.encode("latin-1") if isinstance(authorization, str) else authorization
+    scheme, _, token = raw.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode("ascii"))
 
 
 def cross_site_refusal(scope: dict, settings: Any) -> str | None:
@@ -105,7 +115,7 @@ class GuardMiddleware:
     oversized body is drained (up to a cap) before the 413 so the client reads the answer.
     """
 
-    def __init__(self, app: Any, state: ServerState) -> None:
+    def __init__(self, app: Any, state: BaseServerState) -> None:
         self.app = app
         self.state = state
 
@@ -130,10 +140,7 @@ class GuardMiddleware:
                     raw = value
                     break
             auth = raw.decode("latin-1")
-            scheme, _, token = raw.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(
-                token.strip(), settings.api_key.encode("ascii")
-            ):
+            if not key_matches(raw, settings.api_key):
                 message = (
                     "Incorrect API key provided."
                     if auth

@@ -24,7 +24,8 @@ from .schemas import (
     form_to_dict,
     validation_error,
 )
-from .state import ClientGone, JobSpec, ServerState, random_seed
+from .middleware import key_matches
+from .state import BaseServerState, ClientGone, JobSpec, random_seed
 
 __all__ = ["add_routes"]
 
@@ -34,7 +35,7 @@ _JSON = "application/json"
 _MULTIPART = "multipart/form-data"
 
 
-def _resolve(state: ServerState, req: Any, video: bool) -> dict[str, Any]:
+def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
     """The request's size, steps and frames with omitted fields set to the server's
     defaults (the model's: a make-tiny model's small ones, else the pipeline's)."""
     from ..engine.requests import DEFAULT_FPS, frames_for_seconds
@@ -80,7 +81,7 @@ def _wrong_content_type(got: str, allowed: tuple[str, ...]) -> APIError:
     )
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
+def _check_model(state: BaseServerState, model: str | None) -> None:
     if model is not None and model != state.settings.model_id:
         raise APIError(
             400,
@@ -91,7 +92,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def add_routes(app: FastAPI, state: ServerState) -> None:
+def add_routes(app: FastAPI, state: BaseServerState) -> None:
     """Register the endpoints and exception handlers of ``state`` on ``app``."""
     settings = state.settings
 
@@ -145,12 +146,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     # -------------------------------------------------------------- health, models, metrics
 
     @app.get("/health")
-    async def health() -> Any:
+    async def health(request: Request) -> Any:
         """``{"status": "ok"}`` (200) once the model is loaded; ``"loading"`` or
-        ``"failed"`` (503) before, ``"shutting_down"`` (503) after SIGTERM. Nothing else:
-        no key is needed, so no detail is given."""
-        status = state.health
-        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+        ``"failed"`` (503) before, ``"shutting_down"`` (503) after SIGTERM. No key is
+        needed; details (the Ray server's replicas) only for a caller with a valid key,
+        or anyone when no key is set."""
+        key = settings.api_key
+        authorized = key is None or key_matches(request.headers.get("authorization"), key)
+        body = await state.health_report(authorized)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     def model_card() -> dict[str, Any]:
         """The OpenAI model object of the one served model (id = MODEL as given)."""
@@ -181,7 +185,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text format."""
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await state.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     # -------------------------------------------------------------- images
 
@@ -227,20 +231,25 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             pngs = await state.run_and_wait(job, lambda: _wait_disconnect(request))
         except ClientGone:
             return Response(status_code=499)  # nobody is listening
-        return {
+        body = {
             "created": int(time.time()),
             "data": [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs],
         }
+        headers = state.response_headers(job)
+        return JSONResponse(body, headers=headers) if headers else body
 
     # -------------------------------------------------------------- videos
 
-    def get_job(video_id: str) -> Job:
+    def not_found(video_id: str) -> APIError:
+        return APIError(
+            404, f"No video job with id {video_id!r}.", param="video_id", code="video_not_found"
+        )
+
+    async def get_job(video_id: str) -> Job:
         """The video job ``video_id``; an ``APIError`` 404 (param ``video_id``) if unknown."""
-        job = state.jobs.get(video_id)
+        job = await state.get_job(video_id)
         if job is None:
-            raise APIError(
-                404, f"No video job with id {video_id!r}.", param="video_id", code="video_not_found"
-            )
+            raise not_found(video_id)
         return job
 
     @app.post("/v1/videos")
@@ -292,7 +301,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         )
         job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size), store=True)
         body = state.video_object(job, status=QUEUED)
-        state.submit(job)
+        await state.submit_job(job)
         return body
 
     @app.get("/v1/videos")
@@ -319,7 +328,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 param="order",
                 code="invalid_value",
             )
-        jobs = state.jobs.list()
+        jobs = await state.list_jobs()
         if order == "desc":
             jobs.reverse()
         after = query.get("after")
@@ -345,12 +354,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/videos/{video_id}")
     async def retrieve_video(video_id: str) -> Any:
         """A video job: status, progress, and the error when failed."""
-        return state.video_object(get_job(video_id))
+        return state.video_object(await get_job(video_id))
 
     @app.get("/v1/videos/{video_id}/content")
     async def video_content(video_id: str, request: Request) -> Response:
         """The mp4 of a completed job (409 until then)."""
-        job = get_job(video_id)
+        job = await get_job(video_id)
         variant = request.query_params.get("variant", "video")
         if variant != "video":
             raise APIError(
@@ -365,21 +374,25 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             else:
                 message = f"Video {video_id} is {job.status}; its content is not ready."
             raise APIError(409, message, param="video_id", code="video_not_ready")
+        data = await state.job_content(job)
+        if data is None:  # expired or deleted since
+            raise not_found(video_id)
         return Response(
-            job.result,
+            data,
             media_type="video/mp4",
-            headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'},
+            headers={
+                "Content-Disposition": f'attachment; filename="{video_id}.mp4"',
+                **state.response_headers(job),
+            },
         )
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> Any:
         """Cancel a queued job or delete a finished one (409 while in progress)."""
         try:
-            state.jobs.delete(video_id)
+            await state.delete_job(video_id)
         except KeyError:
-            raise APIError(
-                404, f"No video job with id {video_id!r}.", param="video_id", code="video_not_found"
-            ) from None
+            raise not_found(video_id) from None
         except JobInProgress:
             raise APIError(
                 409,

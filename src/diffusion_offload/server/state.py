@@ -1,4 +1,11 @@
-"""Server settings and state: the engine (loaded in the background), the jobs, the metrics."""
+"""Server settings and state: the engine (loaded in the background), the jobs, the metrics.
+
+:class:`BaseServerState` is what the routes and middleware use: settings, limits, health,
+and the job operations (``submit_job``, ``get_job``, ``list_jobs``, ``delete_job``,
+``job_content``, ``run_and_wait``) as coroutines. :class:`ServerState` implements them in
+one process (a local engine, the :class:`~.jobs.JobManager`); the Ray Serve ingress
+(:mod:`.ray_serve`) implements them over a shared job index actor.
+"""
 
 from __future__ import annotations
 
@@ -28,8 +35,9 @@ from .metrics import ServerMetrics
 from .schemas import Limits
 
 __all__ = [
-    "DEFAULT_FPS", "JobSpec", "ServerSettings", "ServerState", "check_api_key",
-    "normalize_host", "normalize_origin", "random_seed",
+    "DEFAULT_FPS", "BaseServerState", "JobSpec", "ServerSettings", "ServerState",
+    "check_api_key", "job_failure", "normalize_host", "normalize_origin", "random_seed",
+    "submit_error",
 ]
 
 logger = logging.getLogger("diffusion_offload.server")
@@ -193,6 +201,9 @@ class JobSpec:
 
 
 def _error_code(exc: BaseException) -> str:
+    code = getattr(exc, "error_code", None)  # an exception that names its own code
+    if isinstance(code, str):
+        return code
     if type(exc).__name__ == "OutOfMemoryError":
         return "out_of_memory"
     if isinstance(exc, (ValueError, TypeError)):
@@ -221,28 +232,59 @@ def job_error_message(job: Job, exc: BaseException) -> str:
     if code == "invalid_request":
         return (f"The model could not generate {what}: it does not accept these values; try "
                 "the defaults (omit size, num_frames and num_inference_steps).")
+    if code == "replica_failed":
+        return (f"The generator replica stopped while generating {what}, and so did the retry "
+                f"on another replica; retry later (job {job.id}).")
     return f"The model failed while generating {what}; the server log has the details (job {job.id})."
 
 
-class ServerState:
-    """Everything one app serves: settings, engine (loaded in the background), jobs, metrics.
+_FAILURE_STATUS = {
+    "invalid_request": 400,
+    "server_shutdown": 503,
+    "cancelled": 503,
+    "replica_failed": 503,
+}
+
+
+def job_failure(job: Job) -> APIError:
+    """The HTTP error of a failed job: 400 for invalid parameters, 503 when cut short by
+    shutdown, cancelled, or lost with its replica (twice), else 500."""
+    error = job.error or {"code": "generation_failed", "message": "the job failed"}
+    status = _FAILURE_STATUS.get(error["code"], 500)
+    headers = {"Retry-After": "5"} if error["code"] == "replica_failed" else None
+    return APIError(status, error["message"], code=error["code"], headers=headers)
+
+
+def submit_error(exc: BaseException) -> APIError:
+    """The HTTP error of a refused submission: 429 for :class:`~.jobs.QueueFull`, 503 for
+    :class:`~.jobs.ShuttingDown`.
+
+    Raises:
+        TypeError: ``exc`` is neither.
+    """
+    if isinstance(exc, QueueFull):
+        return APIError(
+            429, f"Too many requests: {exc}.", code="queue_full", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, "The server is shutting down.", code="shutting_down")
+    raise TypeError(f"not a submission error: {exc!r}")
+
+
+class BaseServerState:
+    """What the routes and middleware need: settings, limits, health, jobs, metrics.
+
+    Subclasses set ``engine`` (anything with ``is_video``) once the model is ready, or
+    ``load_error``, and implement the job coroutines and ``start``/``stop``.
 
     Args:
-        engine: an engine (``generate``, ``is_video``; ``stats``, ``pipeline``, ``close``
-            if present) or a factory returning one, called on a background thread at startup.
         settings: the server settings.
+        metrics: this process's metrics (HTTP requests are counted on them).
     """
 
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.settings = settings
-        if hasattr(engine, "generate"):
-            self._factory: Callable[[], Any] | None = None
-            self.owns_engine = False
-        elif callable(engine):
-            self._factory, engine = engine, None
-            self.owns_engine = True
-        else:
-            raise TypeError(f"create_app needs an engine or a factory of one, got {engine!r}")
+        self.metrics = metrics
         self.engine: Any = None
         self.rules: Any = None  # engine.requests.ModelRules once loaded (None for test doubles)
         self.limits = Limits(
@@ -252,6 +294,140 @@ class ServerState:
         self.loaded_at: int = int(time.time())
         self.shutting_down = False
         self.request_shutdown: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start serving (called by the app's lifespan)."""
+
+    def stop(self) -> None:
+        """Stop serving (called by the app's lifespan, off the event loop)."""
+        self.shutting_down = True
+
+    def require_engine(self) -> Any:
+        """The loaded engine.
+
+        Raises:
+            APIError: 503 while loading, after a failed load, or while shutting down.
+        """
+        if self.shutting_down:
+            raise APIError(503, "The server is shutting down.", code="shutting_down")
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(
+                    503, "The model failed to load; the server log has the details.",
+                    code="model_load_failed",
+                )
+            raise APIError(503, "The model is still loading; retry shortly.", code="model_loading")
+        return self.engine
+
+    @property
+    def health(self) -> str:
+        """``"ok"``, ``"loading"`` or ``"failed"`` (shutting down counts as loading: 503)."""
+        if self.load_error is not None:
+            return "failed"
+        if self.engine is None or self.shutting_down:
+            return "loading" if not self.shutting_down else "shutting_down"
+        return "ok"
+
+    async def health_report(self, authorized: bool) -> dict[str, Any]:
+        """The body of ``GET /health``: ``{"status": ...}``; ``authorized`` (a valid key, or
+        no key set) lets subclasses add details (the Ray server lists its replicas)."""
+        return {"status": self.health}
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus text exposition of ``GET /metrics``."""
+        return self.metrics.render()
+
+    # ------------------------------------------------------------------ jobs
+
+    async def submit_job(self, job: Job) -> None:
+        """Queue a video job (kept until it expires).
+
+        Raises:
+            APIError: 429 when the queue or the job store is full, 503 when shutting down.
+        """
+        raise NotImplementedError
+
+    async def run_and_wait(self, job: Job, disconnected: Callable[[], Any] | None = None) -> Any:
+        """Queue ``job``, wait for it, return its result (``ClientGone`` if the client left).
+
+        Raises:
+            APIError: a refused submission or the job's failure (:func:`job_failure`).
+        """
+        raise NotImplementedError
+
+    async def get_job(self, job_id: str) -> Job | None:
+        """A kept video job (None when unknown, deleted or expired)."""
+        raise NotImplementedError
+
+    async def list_jobs(self) -> list[Job]:
+        """Kept video jobs, oldest first."""
+        raise NotImplementedError
+
+    async def delete_job(self, job_id: str) -> None:
+        """Cancel a queued video job or forget a finished one.
+
+        Raises:
+            KeyError: no such job. JobInProgress: it is running.
+        """
+        raise NotImplementedError
+
+    async def job_content(self, job: Job) -> bytes | None:
+        """The encoded result of a completed job (None if it expired meanwhile)."""
+        raise NotImplementedError
+
+    def response_headers(self, job: Job) -> dict[str, str]:
+        """Extra headers of a response carrying ``job``'s result (``X-Replica-Id`` when a
+        replica ran it)."""
+        return {"X-Replica-Id": job.replica} if job.replica else {}
+
+    # ------------------------------------------------------------------ views
+
+    def video_object(self, job: Job, status: str | None = None) -> dict[str, Any]:
+        """OpenAI's video object for ``job`` (plus ``num_frames``, ``fps``, ``seed``)."""
+        spec: JobSpec = job.payload
+        params = spec.params
+        fps = spec.fps or DEFAULT_FPS
+        status = status or job.status
+        seconds = None if params.num_frames is None else f"{params.num_frames / fps:g}"
+        return {
+            "id": job.id,
+            "object": "video",
+            "model": self.settings.model_id,
+            "status": status,
+            "progress": 0 if status == QUEUED else int(job.progress),
+            "created_at": int(job.created_at),
+            "completed_at": int(job.completed_at)
+            if job.completed_at and status != QUEUED
+            else None,
+            "size": spec.size or (f"{params.width}x{params.height}" if params.width and params.height else None),
+            "num_frames": params.num_frames,
+            "fps": fps,
+            "seconds": seconds,
+            "seed": params.seed,
+            "error": job.error if status == "failed" else None,
+        }
+
+
+class ServerState(BaseServerState):
+    """Everything one app serves: settings, engine (loaded in the background), jobs, metrics.
+
+    Args:
+        engine: an engine (``generate``, ``is_video``; ``stats``, ``pipeline``, ``close``
+            if present) or a factory returning one, called on a background thread at startup.
+        settings: the server settings.
+    """
+
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        if hasattr(engine, "generate"):
+            self._factory: Callable[[], Any] | None = None
+            self.owns_engine = False
+        elif callable(engine):
+            self._factory, engine = engine, None
+            self.owns_engine = True
+        else:
+            raise TypeError(f"create_app needs an engine or a factory of one, got {engine!r}")
         self.progress = ProgressTracker()
         self.jobs = JobManager(
             self._run_job,
@@ -261,10 +437,13 @@ class ServerState:
             job_ttl=settings.job_ttl,
             max_stored=settings.max_stored_jobs,
         )
-        self.metrics = ServerMetrics(
-            engine=lambda: self.engine,
-            queue_depth=lambda: self.jobs.queue_depth,
-            running=lambda: 0 if self.jobs.running is None else 1,
+        super().__init__(
+            settings,
+            ServerMetrics(
+                engine=lambda: self.engine,
+                queue_depth=lambda: self.jobs.queue_depth,
+                running=lambda: self.jobs.running_count,
+            ),
         )
         self.jobs.on_finish = self.metrics.observe_job
         self._loader: threading.Thread | None = None
@@ -338,32 +517,6 @@ class ServerState:
 
     # ------------------------------------------------------------------ jobs
 
-    def require_engine(self) -> Any:
-        """The loaded engine.
-
-        Raises:
-            APIError: 503 while loading, after a failed load, or while shutting down.
-        """
-        if self.shutting_down:
-            raise APIError(503, "The server is shutting down.", code="shutting_down")
-        if self.engine is None:
-            if self.load_error is not None:
-                raise APIError(
-                    503, "The model failed to load; the server log has the details.",
-                    code="model_load_failed",
-                )
-            raise APIError(503, "The model is still loading; retry shortly.", code="model_loading")
-        return self.engine
-
-    @property
-    def health(self) -> str:
-        """``"ok"``, ``"loading"`` or ``"failed"`` (shutting down counts as loading: 503)."""
-        if self.load_error is not None:
-            return "failed"
-        if self.engine is None or self.shutting_down:
-            return "loading" if not self.shutting_down else "shutting_down"
-        return "ok"
-
     def submit(self, job: Job) -> None:
         """Queue ``job``.
 
@@ -372,12 +525,28 @@ class ServerState:
         """
         try:
             self.jobs.submit(job)
-        except QueueFull as exc:
-            raise APIError(
-                429, f"Too many requests: {exc}.", code="queue_full", headers={"Retry-After": "1"}
-            ) from None
-        except ShuttingDown:
-            raise APIError(503, "The server is shutting down.", code="shutting_down") from None
+        except (QueueFull, ShuttingDown) as exc:
+            raise submit_error(exc) from None
+
+    async def submit_job(self, job: Job) -> None:
+        """Queue a video job (:meth:`submit`)."""
+        self.submit(job)
+
+    async def get_job(self, job_id: str) -> Job | None:
+        """A kept job by id (None when unknown, deleted or expired)."""
+        return self.jobs.get(job_id)
+
+    async def list_jobs(self) -> list[Job]:
+        """Kept jobs, oldest first."""
+        return self.jobs.list()
+
+    async def delete_job(self, job_id: str) -> None:
+        """:meth:`JobManager.delete` (raises ``KeyError`` / ``JobInProgress``)."""
+        self.jobs.delete(job_id)
+
+    async def job_content(self, job: Job) -> bytes | None:
+        """The mp4 of a completed job."""
+        return job.result
 
     async def run_and_wait(self, job: Job, disconnected: Callable[[], Any] | None = None) -> Any:
         """Queue ``job``, wait for it without blocking the event loop, return its result.
@@ -415,13 +584,25 @@ class ServerState:
                 gone.cancel()
         if job.status == COMPLETED:
             return job.result
-        error = job.error or {"code": "generation_failed", "message": "the job failed"}
-        status = {"invalid_request": 400, "server_shutdown": 503, "cancelled": 503}.get(
-            error["code"], 500
-        )
-        raise APIError(status, error["message"], code=error["code"])
+        raise job_failure(job)
 
     def _run_job(self, job: Job) -> Any:
+        return self.execute(job)
+
+    def execute(self, job: Job, on_progress: Callable[[float], None] | None = None) -> Any:
+        """Generate ``job`` on the loaded engine and encode it, in the calling thread.
+
+        Args:
+            job: an in-progress job whose payload is a :class:`JobSpec`.
+            on_progress: also called with the percent done (0-99) after every step.
+
+        Returns:
+            A list of PNG bytes (image jobs) or the mp4 bytes (video jobs).
+
+        Raises:
+            JobAbandoned: the job stopped being in progress (shutdown grace) mid-run.
+            Whatever the engine raises.
+        """
         from ..engine.media import encode_png, encode_video
 
         spec: JobSpec = job.payload
@@ -432,6 +613,8 @@ class ServerState:
             if job.status != IN_PROGRESS:  # marked failed by the shutdown grace: stop now
                 raise JobAbandoned(f"job {job.id} was abandoned")
             job.progress = percent
+            if on_progress is not None:
+                on_progress(percent)
 
         self.progress.begin(outputs, report)
         try:
@@ -442,30 +625,3 @@ class ServerState:
         if job.kind == "image":
             return [encode_png(image) for image in result.images]
         return encode_video(result.frames[0], spec.fps or DEFAULT_FPS, ".mp4")
-
-    # ------------------------------------------------------------------ views
-
-    def video_object(self, job: Job, status: str | None = None) -> dict[str, Any]:
-        """OpenAI's video object for ``job`` (plus ``num_frames``, ``fps``, ``seed``)."""
-        spec: JobSpec = job.payload
-        params = spec.params
-        fps = spec.fps or DEFAULT_FPS
-        status = status or job.status
-        seconds = None if params.num_frames is None else f"{params.num_frames / fps:g}"
-        return {
-            "id": job.id,
-            "object": "video",
-            "model": self.settings.model_id,
-            "status": status,
-            "progress": 0 if status == QUEUED else int(job.progress),
-            "created_at": int(job.created_at),
-            "completed_at": int(job.completed_at)
-            if job.completed_at and status != QUEUED
-            else None,
-            "size": spec.size or (f"{params.width}x{params.height}" if params.width and params.height else None),
-            "num_frames": params.num_frames,
-            "fps": fps,
-            "seconds": seconds,
-            "seed": params.seed,
-            "error": job.error if status == "failed" else None,
-        }
