@@ -104,8 +104,9 @@ class SequentialOffloadHook:
         if not all(c.ready for c in self.group):
             return False
         if self.budgeted:
-            return not (self.component.role == "vae" and self.policy.decode_needs_room and any(  # type: ignore[union-attr]
-                c.resident for c in self.exclusion
+            policy = self.policy
+            return not (self.component.role == "vae" and policy.decode_needs_room and any(  # type: ignore[union-attr]
+                c.selected and c.resident for c in policy.components.values()  # type: ignore[union-attr]
             ))
         return not any(c.resident or c.generation != c.synced for c in self.exclusion)
 
@@ -113,7 +114,8 @@ class SequentialOffloadHook:
         policy = self.policy
         assert policy is not None
         if self.component.role == "vae":
-            targets = list(self.exclusion) if policy.decode_needs_room else []
+            # after a decode ran out of memory beside them, evict what its retry evicted
+            targets = [c for c in policy.components.values() if c.selected] if policy.decode_needs_room else []
         else:
             need = policy._missing([c for c in self.group if c.pending is None])
             candidates = list(policy.components.values())
@@ -164,6 +166,7 @@ class SequentialOffloadHook:
                     evicted.append(comp.name)
             if self.policy is not None:
                 self.policy.retries += 1
+                self.policy.tight.add(self.stage)
                 if self.component.role == "vae":
                     self.policy.decode_needs_room = True
             self._platform.empty_cache()

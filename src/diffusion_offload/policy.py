@@ -15,8 +15,9 @@ group. With a budget (bytes, or ``"auto"``):
   order is loaded on a copy stream while the current stage computes, if it fits within
   the budget beside the current group (after evicting, by the same rule, components
   used later than it). The next stage's hook waits on the copy's event.
-* **Decode without the DiTs only when needed.** A VAE evicts the selected DiTs before it
-  runs only once a decode has run out of memory beside them (strict mode: always).
+* **Decode without the DiTs only when needed.** A VAE evicts the selected components
+  before it runs only once a decode has run out of memory beside them (the retry's
+  eviction, learned); strict mode evicts the selected DiTs always.
 * **OOM recovery** (both modes): a device OOM inside a stage's forward evicts every
   selected component outside the running group, empties the device cache and retries
   the forward once; a second OOM raises ``StageOutOfMemoryError`` naming the stage, the
@@ -110,6 +111,7 @@ class MemoryPolicy:
         history: the stages activated, consecutive repeats collapsed (stage keys are
             tuples of component names).
         decode_needs_room: a decode ran out of memory beside the DiTs: VAEs evict them.
+        tight: stages that ran out of memory once; no prefetch runs beside them.
         prefetched: component name -> (event, stream) of a load in flight.
         retries: forwards retried after an OOM.
     """
@@ -122,6 +124,7 @@ class MemoryPolicy:
         self.components = components
         self.history: list[tuple[str, ...]] = []
         self.decode_needs_room = False
+        self.tight: set[tuple[str, ...]] = set()  # stages that ran out of memory once
         self._clock = itertools.count(1)
         self.last_used: dict[str, int] = {}
         self.copy_stream: Any = platform.new_stream() if budget is not None else None
@@ -174,16 +177,18 @@ class MemoryPolicy:
             return None
         return prev, pos
 
-    def next_use(self, name: str) -> float:
-        """Stages until component ``name`` runs again in the observed order (inf: never
-        again in a request); None-order falls back to recency (older = farther)."""
+    def next_use(self, name: str, ahead: int = 0) -> float:
+        """Stages from ``ahead`` stages after the current one until component ``name``
+        runs again, in the observed order (inf: not in a request). With no order observed
+        yet, recency stands in (least recently used = farthest)."""
         cycle = self._cycle()
         if cycle is None:
             return -float(self.last_used.get(name, 0))  # LRU: least recent = largest
         order, pos = cycle
         n = len(order)
+        start = pos + ahead
         for d in range(1, n + 1):
-            if name in order[(pos + d) % n]:
+            if name in order[(start + d) % n]:
                 return float(d)
         return float("inf")
 
@@ -217,14 +222,19 @@ class MemoryPolicy:
         return sum(seen.values())
 
     def victims(
-        self, keep: Sequence["ComponentWeights"], need: int, candidates: Sequence["ComponentWeights"]
+        self,
+        keep: Sequence["ComponentWeights"],
+        need: int,
+        candidates: Sequence["ComponentWeights"],
+        ahead: int = 0,
     ) -> list["ComponentWeights"]:
         """Components to evict so ``need`` more bytes fit within the budget, farthest next
-        use first; never one in ``keep``. May return all candidates and still not fit."""
+        use (seen from ``ahead`` stages on) first; never one in ``keep``. May return all
+        candidates and still not fit."""
         assert self.budget is not None
         keep_names = {c.name for c in keep}
         pool = [c for c in candidates if c.selected and c.resident and c.name not in keep_names]
-        pool.sort(key=lambda c: self.next_use(c.name), reverse=True)
+        pool.sort(key=lambda c: self.next_use(c.name, ahead), reverse=True)
         over = self.resident_bytes() + need - self.budget
         out = []
         for comp in pool:
@@ -236,11 +246,20 @@ class MemoryPolicy:
 
     # -- prefetch -------------------------------------------------------------------------
 
-    def prefetch_next(self, running: Sequence["ComponentWeights"], groups: Callable[[tuple[str, ...]], Sequence["ComponentWeights"]]) -> None:
-        """Start loading the next stage's group on the copy stream if it fits beside
-        ``running`` (evicting components used later than it first)."""
+    def prefetch_next(
+        self,
+        running: Sequence["ComponentWeights"],
+        groups: Callable[[tuple[str, ...]], Sequence["ComponentWeights"]],
+    ) -> None:
+        """Start loading the next stage's group on the copy stream while ``running``
+        computes, when that moves exactly what the next stage would move anyway: the
+        victims are those the farthest-next-use rule picks at the next stage, and the
+        prefetch is skipped if they include the running group (it cannot leave while it
+        runs) or the group does not fit within the budget."""
         if self.strict or self.copy_stream is None:
             return
+        if tuple(sorted(c.name for c in running)) in self.tight:
+            return  # its activations need the room
         nxt = self.next_stage()
         if nxt is None:
             return
@@ -248,10 +267,10 @@ class MemoryPolicy:
         if not group:
             return
         need = self._missing(group)
-        keep = [*running, *group]
-        nxt_distance = 1.0
-        candidates = [c for c in self.components.values() if self.next_use(c.name) > nxt_distance]
-        victims = self.victims(keep, need, candidates)
+        victims = self.victims(group, need, list(self.components.values()), ahead=1)
+        running_names = {c.name for c in running}
+        if any(v.name in running_names for v in victims):
+            return
         freed = sum(v.evictable_bytes for v in victims)
         if self.resident_bytes() - freed + need > self.budget:  # type: ignore[operator]
             return
