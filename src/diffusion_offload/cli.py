@@ -1,4 +1,4 @@
-"""The ``diffusion-offload`` command line: ``generate``, ``serve`` and ``make-tiny``.
+"""The ``diffusion-offload`` command line: ``generate``, ``serve``, ``plan`` and ``make-tiny``.
 
 Every bad input (missing directory, unknown hub id offline, not a diffusers pipeline,
 unsupported pipeline class, a truncated or corrupt weight file, invalid JSON or config,
@@ -264,10 +264,12 @@ def _generate(args: argparse.Namespace) -> int:
         raise CliError(f"--device: {exc}" if "device" in str(exc) else str(exc)) from None
     _apply_fake_capacity(args.device)
     try:
+        extra = {"plan_shape": values} if config == "auto" else {}
         engine = build_omni(
             model_dir, config, variant=args.variant, max_pinned_bytes=args.max_pinned_memory,
-            device=args.device, dtype=args.dtype, trace=trace_path is not None,
+            device=args.device, dtype=args.dtype, trace=trace_path is not None, **extra,
         )
+        config = engine.config  # "auto" resolved: the report records what ran
     except (FitError, ModelError, NotImplementedError) as exc:
         raise CliError(str(exc)) from None
     except (TypeError, ValueError) as exc:
@@ -376,6 +378,41 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- plan
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``diffusion-offload plan``: the planner's table (or ``--json``) on stdout."""
+    quiet_libraries()
+    from .engine import ModelError
+    from .planner.model import load_plan_model
+    from .planner.plan import describe_plan, format_plan, plan_model, resolve_request, rows_json
+
+    names = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
+    try:
+        pm = load_plan_model(args.model, variant=args.variant, dtype=args.dtype or "auto")
+        request = resolve_request(pm, args.height, args.width, args.num_frames, args.steps,
+                                  names=names)
+        device_memory = args.device_memory
+        if device_memory is None:
+            from .planner.plan import default_device_memory
+
+            device_memory = default_device_memory(args.device_kind)
+        rows = plan_model(pm, request, device_memory, device_kind=args.device_kind,
+                          h2d_bandwidth=args.h2d_bandwidth)
+    except ModelError as exc:
+        raise CliError(str(exc)) from None
+    except ValueError as exc:
+        message = str(exc).replace("device_memory is required", "--device-memory is required")
+        raise CliError(message) from None
+    if args.json:
+        print(rows_json(pm, request, rows, device_memory, args.device_kind, args.h2d_bandwidth))
+    else:
+        print(describe_plan(pm, request, device_memory, args.device_kind, args.h2d_bandwidth))
+        print(format_plan(rows))
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .cli_args import check_serve_args
 
@@ -407,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "make-tiny":
             return _make_tiny(args)
+        if args.command == "plan":
+            return _plan(args)
         return _serve(args)
     except CliError as exc:
         print(f"diffusion-offload: error: {exc}", file=sys.stderr)

@@ -228,13 +228,19 @@ def parse_config_args(args: argparse.Namespace):
     """The validated config from ``--diffusion-offload-config`` / ``--enable-cpu-offload``.
 
     Returns:
-        A ``DiffusionOffloadConfig``, or None (no offload).
+        A ``DiffusionOffloadConfig``, None (no offload), or the string ``"auto"`` (the
+        planner picks the config when the engine is built).
 
     Raises:
         CliError: the config is not valid (the message names the flag and the field).
     """
     from .config import parse_diffusion_offload_config
 
+    if args.diffusion_offload_config == "auto":
+        if args.enable_cpu_offload:
+            raise CliError("--diffusion-offload-config auto cannot be combined with "
+                           "--enable-cpu-offload; give one of them")
+        return "auto"
     raw = read_config_arg(args.diffusion_offload_config)
     try:
         return parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
@@ -278,7 +284,8 @@ POST /v1/videos (application/json or multipart/form-data):
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diffusion-offload-config", metavar="JSON_OR_@FILE",
                    help='offload config as JSON or @FILE, e.g. '
-                        '\'{"mode":"module","components":["dit","text_encoder"]}\' '
+                        '\'{"mode":"module","components":["dit","text_encoder"]}\', or auto: '
+                        "the fastest candidate of 'diffusion-offload plan' that fits the device "
                         "(default: none, everything on the device)")
     p.add_argument("--enable-cpu-offload", action="store_true",
                    help="legacy switch: model-level offload of every DiT and encoder (default: off)")
@@ -295,8 +302,71 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(e.g. 40GiB, 512MiB or bytes; default: no cap)")
 
 
+_DEVICE_KINDS = ("cuda", "xpu", "npu", "mps", "fakegpu", "cpu")  # planner.memory.DEVICE_KINDS
+
+
+def _bandwidth_type(text: str) -> float:
+    """``--h2d-bandwidth``: a size per second (``55GB/s``, ``25e9``, ``12GiB/s``) in bytes/s."""
+    value = str(text).strip()
+    if value.lower().endswith("/s"):
+        value = value[:-2]
+    try:
+        number = float(value)
+    except ValueError:
+        try:
+            number = float(parse_bytes(value))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a bandwidth; use bytes per second with a unit, e.g. 55GB/s, "
+                "25GiB/s or 25e9"
+            ) from None
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a bandwidth > 0 bytes/s, got {text!r}")
+    return number
+
+
+_bandwidth_type.__name__ = "bandwidth"
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan", help="predict memory and transfer cost of each offload config, loading no weight",
+        description="Predict, for each offload candidate (all resident, module mode, layer mode "
+                    "when available), the resting and peak device memory and the host-to-device "
+                    "bytes and seconds per request, from the safetensors headers and one request "
+                    "replayed on the meta device. No weight is read or downloaded. The fastest "
+                    "candidate that fits is marked: it is what --diffusion-offload-config auto "
+                    "picks.",
+    )
+    plan.add_argument("model", help="pipeline directory, hub id in the local Hugging Face cache, or "
+                                    "the hub id of a shipped weightless config (required)")
+    plan.add_argument("--device-memory", metavar="SIZE", type=_bytes_type,
+                      help="memory the device may allocate, e.g. 24GiB, 80GB or bytes (default: the "
+                           "total memory of this machine's --device-kind device)")
+    plan.add_argument("--device-kind", choices=_DEVICE_KINDS, default="cuda",
+                      help="picks the attention memory model: cuda/xpu/npu/cpu fused kernels "
+                           "(no score matrix), fakegpu/mps the math kernel (default: cuda)")
+    plan.add_argument("--height", type=_int("--height", 1), metavar="PIXELS",
+                      help="output height (default: the model's)")
+    plan.add_argument("--width", type=_int("--width", 1), metavar="PIXELS",
+                      help="output width (default: the model's)")
+    plan.add_argument("--num-frames", type=_int("--num-frames", 1), metavar="N",
+                      help="frames of a video (default: the model's)")
+    plan.add_argument("--steps", type=_int("--steps", 1), metavar="N",
+                      help="denoising steps (default: the model's)")
+    plan.add_argument("--h2d-bandwidth", type=_bandwidth_type, metavar="RATE", default=25e9,
+                      help="host-to-device bandwidth, e.g. 55GB/s (default: 25GB/s, pinned "
+                           "copies over PCIe 4.0 x16)")
+    plan.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                      help="weight dtype (default: auto, the checkpoint's own)")
+    plan.add_argument("--variant", metavar="NAME",
+                      help="weight file variant, as for generate (default: the plain files)")
+    plan.add_argument("--json", action="store_true",
+                      help="print the rows as JSON instead of a table (default: table)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``diffusion-offload`` parser: ``generate``, ``serve``, ``make-tiny``."""
+    """The ``diffusion-offload`` parser: ``generate``, ``serve``, ``plan``, ``make-tiny``."""
     parser = _Parser(
         prog="diffusion-offload",
         description="Run diffusion pipelines larger than one accelerator by model-level offload.",
@@ -396,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     ray_group.add_argument("--ingress-replicas", type=_int("--ingress-replicas", 1), metavar="N",
                            help="HTTP ingress replicas; any of them serves any job (needs --ray; "
                                 "default: 1)")
+
+    _add_plan_parser(sub)
 
     tiny = sub.add_parser(
         "make-tiny", help="write a tiny random-weight pipeline in diffusers format",

@@ -355,7 +355,8 @@ def parse_diffusion_offload_config(
         TypeError: ``value`` or a field has the wrong Python type (a non-string key,
             ``components`` given as a str or mapping, a non-bool ``pin_memory``, ...).
         ValueError: a bad value, a missing required key, an unknown key, invalid JSON,
-            ``layer_options`` in module mode, or ``enable_cpu_offload`` with layer mode.
+            ``layer_options`` in module mode, ``enable_cpu_offload`` with layer mode, or
+            ``"auto"`` (resolved by ``Omni``, ``generate`` and ``serve``, not here).
     """
     if not isinstance(enable_cpu_offload, bool):
         raise TypeError(
@@ -367,6 +368,13 @@ def parse_diffusion_offload_config(
             return None
         return DiffusionOffloadConfig("module", COMPONENTS, (), True, explicit=False)
     if isinstance(value, str):
+        if value.strip() == "auto":
+            raise ValueError(
+                "diffusion_offload_config='auto' is not a config: the planner resolves it for a "
+                "model and a device. Use Omni(model, diffusion_offload_config='auto'), "
+                "'diffusion-offload generate|serve --diffusion-offload-config auto', or "
+                "diffusion_offload.plan_offload(model, device_memory=...) and pass a row's config"
+            )
         value = _loads(value)
         if value is None:
             raise ValueError(

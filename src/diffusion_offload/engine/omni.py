@@ -212,8 +212,11 @@ class Omni:
     Args:
         model: a diffusers-format pipeline directory or a hub id (``org/name``; from the
             local cache when ``HF_HUB_OFFLINE=1``).
-        diffusion_offload_config: the offload config (mapping, JSON text or parsed), or
-            None for no offload (everything on the device).
+        diffusion_offload_config: the offload config (mapping, JSON text or parsed), None
+            for no offload (everything on the device), or ``"auto"``: the planner's fastest
+            candidate that fits the device's free memory at ``plan_shape``
+            (``diffusion_offload.planner.auto``); the pick is logged in one line and kept
+            in ``plan_choice`` (a ``PlanRow``).
         enable_cpu_offload: the legacy switch (model-level offload of every DiT and encoder).
         device: the accelerator; None picks one (see ``pick_device``).
         dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float16"``, ``"bfloat16"``.
@@ -228,6 +231,9 @@ class Omni:
         layer_blocks: layer mode: block container paths per component name, overriding
             the built-in table (``{"transformer": ["blocks"]}``). See
             ``LayerwiseOffloadBackend``.
+        plan_shape: with ``"auto"``: the request to plan for, keys ``height``, ``width``
+            (pixels), ``num_frames``, ``num_inference_steps``; a missing key takes the
+            model's default.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -238,7 +244,8 @@ class Omni:
     Raises:
         TypeError, ValueError: invalid config, dtype, device or component_roles.
         ModelError: the model cannot be found or is not a supported diffusers pipeline.
-        FitError: the device cannot hold the config's resting footprint.
+        FitError: the device cannot hold the config's resting footprint; with ``"auto"``:
+            no candidate's predicted peak fits (the message names the smallest need).
         NotImplementedError: ``layer_options`` asks for ``weight_transfer="allgather"``.
     """
 
@@ -256,10 +263,15 @@ class Omni:
         max_pinned_bytes: int | None = None,
         variant: str | None = None,
         layer_blocks: Mapping[str, Sequence[str]] | None = None,
+        plan_shape: Mapping[str, int | None] | None = None,
     ) -> None:
         start = time.perf_counter()
         self._lock = threading.RLock()
-        self.config = parse_diffusion_offload_config(
+        auto = isinstance(diffusion_offload_config, str) and diffusion_offload_config == "auto"
+        if auto and enable_cpu_offload:
+            raise ValueError("diffusion_offload_config='auto' cannot be combined with "
+                             "enable_cpu_offload=True; give one of them")
+        self.config = None if auto else parse_diffusion_offload_config(
             diffusion_offload_config, enable_cpu_offload=enable_cpu_offload
         )
         dtype_choice = parse_dtype(dtype)
@@ -270,6 +282,9 @@ class Omni:
         self.info: ModelInfo = inspect_model(resolve_model(model), variant)
         self.component_roles = self._check_roles(component_roles)
         self.dtype = self._resolve_dtype(dtype_choice)
+        self.plan_choice = None
+        if auto:
+            self.config = self._auto_config(plan_shape, layer_blocks)
         self.footprint: Footprint | None = None
         if not self.platform.is_noop:
             free = self.platform.memory_stats().free_bytes
@@ -321,6 +336,24 @@ class Omni:
         self.load_seconds = time.perf_counter() - start
 
     # ------------------------------------------------------------------ helpers
+
+    def _auto_config(self, shape: Mapping[str, int | None] | None,
+                     layer_blocks: Mapping[str, Sequence[str]] | None) -> DiffusionOffloadConfig | None:
+        """Resolve ``diffusion_offload_config="auto"`` with the planner (logged in one line)."""
+        if self.platform.is_noop:
+            logger.info("diffusion_offload_config=auto on the cpu: no offload (a no-op there)")
+            return None
+        from ..planner.auto import auto_config
+
+        choice = auto_config(
+            self.info.path, device_kind=self.device.type,
+            free_bytes=self.platform.memory_stats().free_bytes, dtype=self.dtype,
+            variant=self.variant, component_roles=self.component_roles, shape=shape,
+            modes=("module", "layer"), layer_blocks=layer_blocks,
+        )
+        self.plan_choice = choice.row
+        logger.info(choice.message)
+        return choice.config
 
     def _check_roles(self, roles: Mapping[str, str] | None) -> dict[str, str] | None:
         if roles is None:

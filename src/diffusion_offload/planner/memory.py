@@ -40,7 +40,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DEVICE_KINDS", "LiveBytes", "attention_model", "efficient_attention_kinds"]
+__all__ = ["DEVICE_KINDS", "LiveBytes", "attention_model", "describe_memory_model",
+           "efficient_attention_kinds"]
 
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "xpu", "npu", "mps", "fakegpu", "cpu")
 """Device kinds the planner has a memory model for (``--device-kind``)."""
@@ -75,7 +76,8 @@ class LiveBytes(TorchDispatchMode):
         self.now = 0
         self.peak = 0
         self._live: dict[int, list[int]] = {}  # storage key -> [tensor refs, nbytes]
-        self.scalars: list[str] = []
+        self.scalars = 0  # data-dependent scalars answered
+        self._memo: dict[tuple, Any] = {}  # op + argument metadata -> output metadata
 
     def reset_peak(self) -> None:
         """``peak := now``."""
@@ -89,8 +91,7 @@ class LiveBytes(TorchDispatchMode):
         build the explicit mask: ``False`` for booleans (a short prompt, padded to
         ``max_sequence_length``, as the pipelines pad), 0 for numbers.
         """
-        import traceback
-        self.scalars.append("".join(traceback.format_stack(limit=8)[:-2]))
+        self.scalars += 1
         if t.dtype == torch.bool:
             return False
         return 0 if not t.is_floating_point() else 0.0
@@ -129,14 +130,105 @@ class LiveBytes(TorchDispatchMode):
         weakref.finalize(t, self._release, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
         if func in _SCALAR_OPS and args[0].is_meta:
             return self._scalar(args[0])
-        out = func(*args, **(kwargs or {}))
-        fresh = not any(r.alias_info is not None for r in func._schema.returns)
-        for t in tree_leaves(out):
+        key = _memo_key(func, args, kwargs)
+        if key is not None:
+            layout = self._memo.get(key)
+            if layout is not None:
+                return self._replay_outputs(layout)
+        out = func(*args, **kwargs)
+        fresh = not _aliases(func)
+        leaves = tree_leaves(out)
+        for t in leaves:
             if isinstance(t, torch.Tensor):
                 self._track(t, fresh)
+        if key is not None:
+            layout = _layout(out)
+            if layout is not None and not _shares_input_storage(leaves, args, kwargs):
+                self._memo[key] = layout
         return out
+
+    def _replay_outputs(self, layout: Any) -> Any:
+        """New meta tensors with the memoised metadata (same storage bytes, sizes, strides)."""
+        if isinstance(layout, list):
+            return tuple(self._replay_outputs(item) for item in layout)
+        if layout is None:
+            return None
+        size, stride, offset, dtype, storage_bytes = layout
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        base = torch.empty((storage_bytes // itemsize,), dtype=dtype, device="meta")
+        out = base.as_strided(size, stride, offset)
+        del base
+        self._track(out, True)
+        return out
+
+
+_MEMO_OK = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+            torch.layout)
+
+
+def _aliases(func: Any) -> bool:
+    schema = func._schema
+    return schema.is_mutable or any(r.alias_info is not None for r in schema.returns)
+
+
+def _memo_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """A hashable key of ``func`` and the metadata of its arguments, or None when the op's
+    result is not a pure function of them (views, in-place and ``out=`` ops, random or
+    non-meta arguments)."""
+    if _aliases(func) or torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    parts: list[Any] = [func]
+    for value in (*args, *sorted(kwargs.items())):
+        item = _memo_item(value)
+        if item is _NO_KEY:
+            return None
+        parts.append(item)
+    return tuple(parts)
+
+
+_NO_KEY = object()
+
+
+def _memo_item(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):  # kwarg pair
+        inner = _memo_item(value[1])
+        return _NO_KEY if inner is _NO_KEY else (value[0], inner)
+    if isinstance(value, torch.Tensor):
+        if not value.is_meta or value.layout != torch.strided:
+            return _NO_KEY
+        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        items = tuple(_memo_item(v) for v in value)
+        return _NO_KEY if any(i is _NO_KEY for i in items) else ("L", items)
+    if isinstance(value, _MEMO_OK):
+        return (type(value).__name__, value)
+    return _NO_KEY
+
+
+def _shares_input_storage(outputs: list[Any], args: tuple, kwargs: dict) -> bool:
+    """Whether an output views an input's storage although the schema says it does not
+    (``aten._unsafe_view``): such ops are not memoised."""
+    inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in inputs for t in outputs)
+
+
+def _layout(out: Any) -> Any:
+    """Metadata to rebuild ``out`` (a tensor or a tuple/list of tensors and None)."""
+    if isinstance(out, torch.Tensor):
+        if not out.is_meta or out.layout != torch.strided:
+            return None
+        return (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype,
+                out.untyped_storage().nbytes())
+    if isinstance(out, (tuple, list)) and out:
+        items = [(_layout(o) if o is not None else None) for o in out]
+        if any(i is None and o is not None for i, o in zip(items, out)):
+            return None
+        return items
+    return None
 
 
 class _EfficientAttention(TorchFunctionMode):
@@ -147,7 +239,8 @@ class _EfficientAttention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
-            query, value = args[0], (args[2] if len(args) > 2 else kwargs["value"])
+            query = args[0] if args else kwargs["query"]
+            value = args[2] if len(args) > 2 else kwargs["value"]
             shape = (*query.shape[:-1], value.shape[-1])
             lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
             out = torch.empty(shape, dtype=query.dtype, device=query.device)
@@ -162,6 +255,13 @@ class _NoOp:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+def describe_memory_model(device_kind: str) -> str:
+    """The attention memory model of ``device_kind`` in words (printed by ``plan``)."""
+    if device_kind in _EFFICIENT:
+        return "fused attention (flash/memory-efficient: output + log-sum-exp, no N x N scores)"
+    return "math attention (float32 N x N scores and softmax materialised)"
 
 
 def attention_model(device_kind: str) -> Callable[[], Any]:

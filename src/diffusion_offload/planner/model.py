@@ -242,6 +242,13 @@ def _build_meta(folder: Path, library: str, class_name: str, dtype: torch.dtype)
     return module
 
 
+def _config_text(folder: Path) -> str | None:
+    try:
+        return (folder / "config.json").read_text()
+    except OSError:
+        return None
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -335,14 +342,14 @@ def _checkpoint_dtype(files: dict[str, list[Path]]) -> torch.dtype | None:
     return _SAFETENSORS_FLOATS[max(counts, key=counts.get)]
 
 
-def _blocks(module: nn.Module) -> tuple[int, ...]:
+def _blocks(module: nn.Module, override: Any = None) -> tuple[int, ...]:
     """Bytes of each block of ``module`` (layer mode), in execution order; () if none."""
     try:
         from ..blocks import discover_blocks  # layer mode's own discovery
     except ImportError:  # pragma: no cover - layer mode not installed
         discover_blocks = _fallback_blocks
     try:
-        found = discover_blocks(module)
+        found = discover_blocks(module, override)
     except (ValueError, TypeError):
         return ()
     return tuple(_module_bytes(block) for _, block in found)
@@ -397,6 +404,7 @@ def load_plan_model(
     variant: str | None = None,
     dtype: str | torch.dtype | None = "auto",
     component_roles: Mapping[str, str] | None = None,
+    layer_blocks: Mapping[str, Any] | None = None,
 ) -> PlanModel:
     """Resolve ``model`` and size its components without reading a weight.
 
@@ -406,6 +414,7 @@ def load_plan_model(
         dtype: ``"auto"`` (the checkpoint's; a weightless config's recorded dtype),
             ``"float32"``, ``"float16"``, ``"bfloat16"`` or a torch dtype.
         component_roles: role overrides, as ``Omni(component_roles=...)``.
+        layer_blocks: block container paths per component, as ``Omni(layer_blocks=...)``.
 
     Raises:
         ModelError: the model cannot be found, has no usable ``model_index.json``, or a
@@ -426,6 +435,7 @@ def load_plan_model(
     roles = dict(component_roles or {})
     components: dict[str, ComponentSize] = {}
     modules: dict[str, nn.Module] = {}
+    built: dict[tuple[str, str, str | None], nn.Module] = {}
     scheduler = None
     for name, value in index.items():
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
@@ -443,7 +453,12 @@ def load_plan_model(
             continue
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             continue  # tokenizers, processors
-        module = _build_meta(path / name, library, class_name, load_dtype)
+        config_text = _config_text(path / name)
+        built_key = (library, class_name, config_text)
+        module = built.get(built_key) if config_text is not None else None
+        if module is None:  # identical components (Wan2.2's two experts) are built once
+            module = _build_meta(path / name, library, class_name, load_dtype)
+            built[built_key] = module
         modules[name] = module
         role = roles.get(name) or diffusers_role(name) or "resident"
         keep = _keep_fp32_rule(module, load_dtype)
@@ -455,7 +470,8 @@ def load_plan_model(
             source = "config (weightless)" if weightless else "config (no weight files)"
         components[name] = ComponentSize(
             name=name, role=role, class_name=class_name, nbytes=nbytes,
-            params=_param_count(module), blocks=_blocks(module), source=source,
+            params=_param_count(module),
+            blocks=_blocks(module, (layer_blocks or {}).get(name)), source=source,
             tied_extra=_tied_extra(module),
         )
     for name in roles:

@@ -240,7 +240,13 @@ def fastest_fitting(rows: Sequence[PlanRow]) -> PlanRow | None:
     return min(fitting, key=lambda r: (r.transfer_seconds, r.peak_bytes)) if fitting else None
 
 
-def _default_device_memory(device_kind: str) -> int:
+def default_device_memory(device_kind: str) -> int:
+    """Total memory of this machine's ``device_kind`` device (bytes; the fake device: its
+    capacity).
+
+    Raises:
+        ValueError: no such device here (the message asks for ``device_memory``).
+    """
     import torch
 
     module = getattr(torch, device_kind, None)
@@ -285,8 +291,12 @@ def plan_model(
 
 def resolve_request(pm: PlanModel, height: int | None, width: int | None, num_frames: int | None,
                     steps: int | None, cfg: bool | None = None,
-                    max_sequence_length: int | None = None) -> Request:
+                    max_sequence_length: int | None = None,
+                    names: Mapping[str, str] | None = None) -> Request:
     """The request shape, omitted fields taking the model's defaults (as ``generate``).
+
+    Args:
+        names: how to name ``height``/``width``/``num_frames`` in errors (``"--height"``).
 
     Raises:
         ValueError: a size the model does not take (named, with what is allowed).
@@ -306,7 +316,7 @@ def resolve_request(pm: PlanModel, height: int | None, width: int | None, num_fr
                         ("steps", steps), ("max_sequence_length", max_sequence_length)):
         _check_positive(name, value)
     rules.check({"height": height, "width": width, "num_frames": num_frames},
-                {"height": "height", "width": "width", "num_frames": "num_frames"})
+                names or {"height": "height", "width": "width", "num_frames": "num_frames"})
     values = rules.resolve({"height": height, "width": width, "num_frames": num_frames,
                             "num_inference_steps": steps})
     missing = [k for k in ("height", "width", "num_inference_steps") if values.get(k) is None]
@@ -371,7 +381,7 @@ def plan_offload(
     if isinstance(h2d_bandwidth, bool) or not isinstance(h2d_bandwidth, (int, float)) or not h2d_bandwidth > 0:
         raise ValueError(f"h2d_bandwidth={h2d_bandwidth!r} is not allowed; allowed: bytes/s > 0")
     if device_memory is None:
-        device_memory = _default_device_memory(device_kind)
+        device_memory = default_device_memory(device_kind)
     if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 0:
         raise ValueError(f"device_memory={device_memory!r} is not allowed; allowed: an int >= 0 (bytes)")
     pm = load_plan_model(model, variant=variant, dtype=dtype, component_roles=component_roles)
@@ -440,3 +450,47 @@ def format_plan(rows: Sequence[PlanRow], *, title: str = "") -> str:
 def describe_components(pm: PlanModel) -> list[ComponentSize]:
     """The components, largest first (for the table's preamble)."""
     return sorted(pm.components.values(), key=lambda c: -c.nbytes)
+
+
+def describe_plan(pm: PlanModel, request: Request, device_memory: int, device_kind: str,
+                  bandwidth: float) -> str:
+    """The lines printed above the table: model, request, memory model, components."""
+    from .memory import describe_memory_model
+
+    frames = f", {request.num_frames} frames" if request.num_frames else ""
+    source = "shipped weightless config" if pm.weightless else str(pm.path)
+    lines = [
+        f"model: {pm.model} ({pm.pipeline_class}, {str(pm.dtype).removeprefix('torch.')}; {source})",
+        f"request: {request.width}x{request.height}{frames}, {request.steps} steps",
+        f"device: {_human(device_memory)} ({device_memory} bytes), {device_kind}: "
+        f"{describe_memory_model(device_kind)}",
+        f"host->device: {bandwidth / 1e9:g} GB/s",
+        "components: " + ", ".join(
+            f"{c.name} {_human(c.nbytes)} ({c.role}, {c.params / 1e9:.2f}e9 params)"
+            for c in describe_components(pm)),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def rows_json(pm: PlanModel, request: Request, rows: Sequence[PlanRow], device_memory: int,
+              device_kind: str, bandwidth: float) -> str:
+    """The plan as JSON: the inputs, the components and the rows (bytes, seconds)."""
+    import json
+    from dataclasses import asdict
+
+    best = fastest_fitting(rows)
+    return json.dumps({
+        "model": pm.model,
+        "pipeline_class": pm.pipeline_class,
+        "dtype": str(pm.dtype).removeprefix("torch."),
+        "request": asdict(request),
+        "device_memory": device_memory,
+        "device_kind": device_kind,
+        "h2d_bandwidth": bandwidth,
+        "components": {c.name: {"role": c.role, "bytes": c.nbytes, "params": c.params,
+                                "blocks": len(c.blocks), "source": c.source}
+                       for c in pm.components.values()},
+        "rows": [asdict(r) for r in rows],
+        "auto": best.name if best is not None else None,
+    }, indent=2)

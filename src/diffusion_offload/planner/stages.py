@@ -18,9 +18,11 @@ during which one component is the one running (from the moment its offload hook 
 to the next component's hook), the peak of live activation bytes in it. A candidate's
 peak is then ``max(resident weights during the segment + segment peak)``.
 
-Denoising steps repeat the same shapes, so only the first two steps of each denoiser run
-their forward; later steps replay the measured forward (an allocation of its internal peak,
-freed, then one of its output's shape), while the scheduler's ``step`` runs for every step.
+Denoising calls repeat the same shapes, so only the first call of each denoiser runs its
+forward; later calls replay it (an allocation of the bytes it needed above what it left
+allocated, freed, then one of its output's shape), while the guidance arithmetic and the
+scheduler's ``step`` run for every step. Ops are memoised on their arguments' metadata
+(see :class:`~.memory.LiveBytes`), so the 40 identical blocks of a DiT cost one block.
 
 Supported: ``WanPipeline``, ``FluxPipeline``, ``StableDiffusion3Pipeline``,
 ``QwenImagePipeline``.
@@ -103,8 +105,8 @@ class _Run:
         self.tracker = tracker
         self.report = StageReport()
         self._current: list[Any] | None = None
-        self._replay: dict[str, tuple[int, int]] = {}  # component -> (real runs, internal peak)
-        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # first output
+        # component -> (transient bytes of a call, output shape, output dtype)
+        self._replay: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
 
     def use(self, component: str) -> None:
         """The hook of ``component`` fires: a new segment starts (or the current goes on)."""
@@ -127,29 +129,33 @@ class _Run:
         self._close()
         return self.report
 
-    def forward(self, component: str, module: nn.Module, replay_after: int | None, *args: Any,
-                **kwargs: Any) -> Any:
-        """Call ``module`` (in component ``component``'s segment) and return its first
-        output; after ``replay_after`` real runs, replay the measured internal peak
-        instead (same shapes, same bytes)."""
+    def forward(self, component: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Call ``module`` in component ``component``'s segment and return its first output.
+
+        The first call runs the module; later calls (same shapes: the other guidance
+        branch, later steps) replay it: a transient allocation of the bytes the first call
+        needed above what it left allocated, freed, then the output. Bytes the first call
+        left behind (caches such as Qwen-Image's rotary tables) are not allocated again.
+        """
         self.use(component)
-        runs, internal = self._replay.get(component, (0, 0))
-        if replay_after is not None and runs >= replay_after and component in self._shapes:
-            shape, dtype = self._shapes[component]
-            scratch = torch.empty(internal, dtype=torch.uint8, device=_META)
+        replay = self._replay.get(component)
+        if replay is not None:
+            transient, shape, dtype = replay
+            scratch = torch.empty(transient, dtype=torch.uint8, device=_META)
             del scratch
-            return torch.empty(shape, dtype=dtype, device=_META)
-        before = self.tracker.now
-        self.tracker.reset_peak()
-        out = module(*args, **kwargs)
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        internal = max(internal, self.tracker.peak - before - _nbytes(first))
-        self._replay[component] = (runs + 1, internal)
-        self._shapes[component] = (tuple(first.shape), first.dtype)
-        # the peak inside the call counts for the segment
+            out = torch.empty(shape, dtype=dtype, device=_META)
+        else:
+            before = self.tracker.now
+            self.tracker.reset_peak()
+            result = module(*args, **kwargs)
+            out = result[0] if isinstance(result, (tuple, list)) else result
+            del result
+            transient = self.tracker.peak - self.tracker.now + _nbytes(out)
+            self._replay[component] = (max(transient, 0), tuple(out.shape), out.dtype)
+            del before
         self._current[1] = max(self._current[1], self.tracker.peak)  # type: ignore[index]
         self.report.segments[-1] = (self._current[0], self._current[1])  # type: ignore[index]
-        return first
+        return out
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -162,7 +168,11 @@ def _dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dtype_of(module: nn.Module) -> torch.dtype:
-    """The module's dtype as diffusers/transformers report it (first floating parameter)."""
+    """The module's dtype as the pipeline reads it (``module.dtype``: diffusers and
+    transformers skip modules kept in float32)."""
+    dtype = getattr(module, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
     for p in module.parameters():
         if p.is_floating_point():
             return p.dtype
@@ -248,10 +258,10 @@ def _wan(pm: PlanModel, req: Request, run: _Run) -> None:
         name = dits[0] if boundary is None or t >= boundary or len(dits) == 1 else dits[1]
         model_input = latents.to(_dtype_of(m[name]))
         timestep = t_dev[i].expand(latents.shape[0])
-        noise = run.forward(name, m[name], 2 * (2 if cfg else 1), hidden_states=model_input,
+        noise = run.forward(name, m[name], hidden_states=model_input,
                             timestep=timestep, encoder_hidden_states=embeds[0], return_dict=False)
         if cfg:
-            uncond = run.forward(name, m[name], 2 * 2, hidden_states=model_input, timestep=timestep,
+            uncond = run.forward(name, m[name], hidden_states=model_input, timestep=timestep,
                                  encoder_hidden_states=embeds[1], return_dict=False)
             noise = _guided(noise, uncond, 4.0)
             del uncond
@@ -320,7 +330,7 @@ def _flux(pm: PlanModel, req: Request, run: _Run) -> None:
         timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
         outs = []
         for embeds, pooled, text_ids in prompts:
-            outs.append(run.forward("transformer", dit, 2 * passes, hidden_states=latents,
+            outs.append(run.forward("transformer", dit, hidden_states=latents,
                                     timestep=timestep / 1000, guidance=guidance,
                                     pooled_projections=pooled, encoder_hidden_states=embeds,
                                     txt_ids=text_ids, img_ids=image_ids, return_dict=False))
@@ -388,7 +398,7 @@ def _sd3(pm: PlanModel, req: Request, run: _Run) -> None:
     for i, t in enumerate(timesteps):
         model_input = torch.cat([latents] * 2) if cfg else latents
         timestep = t_dev[i].expand(model_input.shape[0])
-        noise = run.forward("transformer", dit, 2, hidden_states=model_input, timestep=timestep,
+        noise = run.forward("transformer", dit, hidden_states=model_input, timestep=timestep,
                             encoder_hidden_states=embeds, pooled_projections=pooled,
                             return_dict=False)
         del model_input, timestep
@@ -456,7 +466,7 @@ def _qwen_image(pm: PlanModel, req: Request, run: _Run) -> None:
     passes = 2 if cfg else 1
     for i, t in enumerate(timesteps):
         timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
-        outs = [run.forward("transformer", dit, 2 * passes, hidden_states=latents,
+        outs = [run.forward("transformer", dit, hidden_states=latents,
                             timestep=timestep / 1000, guidance=None, encoder_hidden_states_mask=None,
                             encoder_hidden_states=embeds, img_shapes=img_shapes, return_dict=False)
                 for embeds in prompts]

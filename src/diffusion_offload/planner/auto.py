@@ -1,0 +1,103 @@
+"""``diffusion_offload_config="auto"``: the engine asks the planner which config to run.
+
+``Omni(diffusion_offload_config="auto")`` (and ``--diffusion-offload-config auto`` on
+``generate`` and ``serve``) plans the model it is loading for the device it runs on, at the
+request shape it is given (``generate``: the command's size, frames and steps; ``Omni`` and
+``serve``: ``plan_shape`` or the model's defaults), with the device's free memory as
+``device_memory``, and runs the fastest candidate that fits
+(:func:`~.plan.fastest_fitting`). It says which in one line. When nothing fits it raises a
+one-line :class:`~diffusion_offload.engine.fit.FitError` naming the smallest need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .memory import DEVICE_KINDS
+from .plan import DEFAULT_H2D_BANDWIDTH, PlanRow, choose, plan_model, resolve_request
+
+__all__ = ["AutoChoice", "auto_config"]
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``"auto"`` picked.
+
+    Attributes:
+        config: the offload config to run (None: no offload).
+        row: the chosen plan row.
+        rows: every row of the plan.
+        message: the one line said to the user.
+    """
+
+    config: Any
+    row: PlanRow
+    rows: tuple[PlanRow, ...]
+    message: str
+
+
+def _what(request: Any, device_kind: str) -> str:
+    frames = f", {request.num_frames} frames" if request.num_frames else ""
+    return f"{request.width}x{request.height}{frames}, {request.steps} steps on {device_kind}"
+
+
+def auto_config(
+    path: str | Path,
+    *,
+    device_kind: str,
+    free_bytes: int,
+    dtype: Any,
+    variant: str | None = None,
+    component_roles: Mapping[str, str] | None = None,
+    shape: Mapping[str, int | None] | None = None,
+    modes: Sequence[str] = ("module",),
+    h2d_bandwidth: float = DEFAULT_H2D_BANDWIDTH,
+    layer_blocks: Mapping[str, Sequence[str]] | None = None,
+) -> AutoChoice:
+    """Plan ``path`` and return the config of the fastest candidate that fits.
+
+    Args:
+        path: the pipeline folder the engine loads.
+        device_kind: the device type (``cuda``, ``fakegpu``, ...); an unknown kind is
+            planned as ``cuda``.
+        free_bytes: device memory free for the model (bytes).
+        dtype: the load dtype (a torch dtype).
+        variant, component_roles: as given to ``Omni``.
+        shape: ``height``, ``width``, ``num_frames``, ``num_inference_steps`` (None or
+            missing: the model's defaults).
+        modes: offload modes the engine can run; rows of other modes are not picked.
+        h2d_bandwidth: host-to-device bytes/s used to rank candidates.
+        layer_blocks: block container overrides per component (layer mode).
+
+    Raises:
+        FitError: no runnable candidate fits (one line: the smallest need).
+        ModelError, ValueError: as :func:`~.plan.plan_offload`.
+    """
+    from ..config import parse_diffusion_offload_config
+    from .model import load_plan_model
+
+    kind = device_kind if device_kind in DEVICE_KINDS else "cuda"
+    shape = dict(shape or {})
+    pm = load_plan_model(path, variant=variant, dtype=dtype, component_roles=component_roles,
+                         layer_blocks=layer_blocks)
+    request = resolve_request(pm, shape.get("height"), shape.get("width"), shape.get("num_frames"),
+                              shape.get("num_inference_steps"))
+    rows = plan_model(pm, request, free_bytes, device_kind=kind, h2d_bandwidth=h2d_bandwidth)
+    runnable = [r for r in rows
+                if r.config.get("diffusion_offload_config") is None
+                or r.config["diffusion_offload_config"]["mode"] in modes]
+    what = _what(request, kind)
+    row = choose(runnable, free_bytes, what)
+    from ..cli import human_bytes
+
+    config = parse_diffusion_offload_config(row.config.get("diffusion_offload_config"))
+    message = (
+        f"diffusion_offload_config=auto picked '{row.name}' "
+        f"({config.to_json() if config is not None else 'no offload'}): predicted peak "
+        f"{human_bytes(row.peak_bytes)} of {human_bytes(free_bytes)} free, "
+        f"{human_bytes(row.h2d_bytes_per_request)} host->device per request, for {what}"
+    )
+    return AutoChoice(config, row, tuple(rows), message)
