@@ -254,6 +254,32 @@ def test_a_job_whose_replica_dies_twice_fails_cleanly_and_is_counted_once() -> N
     index.jobs.shutdown(0.1)
 
 
+@pytest.mark.ray
+def test_deployments_take_one_device_each_and_autoscale_on_ongoing_jobs() -> None:
+    pytest.importorskip("ray.serve", reason=NEEDS_RAY)
+    from diffusion_offload.server.ray_serve import DEVICE_RESOURCE, build_application
+
+    settings = ServerSettings(model_id="m", max_queue=40)
+
+    def deployments(**kwargs: Any) -> tuple[Any, Any]:
+        ingress = build_application("m", settings, **kwargs)._bound_deployment
+        return ingress, ingress.init_args[2]._bound_deployment
+
+    ingress, generator = deployments(autoscale=(2, 5), ingress_replicas=3)
+    scaling = generator._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 5, 1)
+    assert generator.max_ongoing_requests == 1  # one job at a time per replica; Serve queues
+    assert generator.ray_actor_options == {"num_cpus": 0, "resources": {DEVICE_RESOURCE: 1}}
+    assert ingress.num_replicas == 3 and ingress.max_ongoing_requests == 160
+    assert ingress.ray_actor_options == {"num_cpus": 0}
+
+    _, generator = deployments(replicas=4, use_gpus=True)
+    assert generator.num_replicas == 4 and generator._deployment_config.autoscaling_config is None
+    assert generator.ray_actor_options == {"num_cpus": 0, "num_gpus": 1}
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        deployments(autoscale=(3, 2))
+
+
 # ---------------------------------------------------------------------- the cluster
 
 
@@ -467,6 +493,40 @@ def test_errors_limits_and_auth_answer_as_the_single_process_server(images: Clus
                 assert ours.status_code >= 400
     finally:
         engine.close()
+
+
+@pytest.mark.ray
+def test_a_queued_image_whose_client_leaves_is_cancelled_and_never_runs(images: Cluster) -> None:
+    import threading
+
+    def jobs(status: str) -> float:
+        values = samples(fresh(images.url, "GET", "/metrics").text)
+        return metric(values, "diffusion_offload_jobs_total", kind="image", status=status)
+
+    before = {status: jobs(status) for status in ("completed", "cancelled")}
+    slow = {**image_body(300), "prompt": f"{SLOW} car"}
+    holders = [threading.Thread(target=fresh, args=(images.url, "POST", IMG), kwargs={"json": slow})
+               for _ in range(2)]
+    for holder in holders:
+        holder.start()
+    deadline = time.monotonic() + 10
+    while True:  # both generators busy: the next job waits in the index's queue
+        values = samples(fresh(images.url, "GET", "/metrics").text)
+        if metric(values, "diffusion_offload_jobs_running") == 2:
+            break
+        assert time.monotonic() < deadline, "the slow jobs never ran"
+        time.sleep(0.05)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{images.url}{IMG}", json=image_body(301), headers=AUTH, timeout=1.0)
+    for holder in holders:
+        holder.join(30)
+    deadline = time.monotonic() + 10
+    while jobs("cancelled") - before["cancelled"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert jobs("cancelled") - before["cancelled"] == 1
+    assert jobs("completed") - before["completed"] == 2  # the abandoned one never ran
+    values = samples(fresh(images.url, "GET", "/metrics").text)
+    assert metric(values, "diffusion_offload_queue_depth") == 0
 
 
 # ---------------------------------------------------------------------- videos

@@ -51,6 +51,7 @@ import asyncio
 import copy
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -206,7 +207,10 @@ class JobIndex:
                         raise JobAbandoned(job.id) from None
                     logger.warning("job %s: its generator replica died (attempt %d): %s",
                                    job.id, attempt, str(exc).splitlines()[0])
-                    self._history.setdefault(job.id, []).append({"attempt": attempt, "lost": True})
+                    if job.store:
+                        self._history.setdefault(job.id, []).append(
+                            {"attempt": attempt, "lost": True}
+                        )
                     if attempt == 2:
                         raise ReplicaLost(f"job {job.id}: generator replica lost twice") from exc
                     job.progress = 0.0
@@ -253,6 +257,9 @@ class JobIndex:
             self.jobs.submit(job)
         except (QueueFull, ShuttingDown) as exc:
             return (type(exc).__name__, str(exc))
+        kept = {j.id for j in self.jobs.list()}  # forget the attempts of expired jobs
+        for job_id in [k for k in self._history if k not in kept]:
+            del self._history[job_id]
         return None
 
     def get(self, job_id: str) -> Job | None:
@@ -390,8 +397,10 @@ class DiffusionGenerator:
     async def __init__(self, model: str, config: Any, engine_options: dict[str, Any],
                        settings: ServerSettings, index: str,
                        engine_factory: Callable[[], Any] | None = None) -> None:
+        from ..cli_args import quiet_libraries
         from ..engine.requests import build_omni
 
+        quiet_libraries()
         factory = engine_factory or functools.partial(
             build_omni, model, config, progress=False, **engine_options
         )
@@ -853,6 +862,18 @@ def undeploy(app_name: str = "diffusion-offload", grace: float = 30.0) -> None:
 # ---------------------------------------------------------------------- CLI
 
 
+def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> bool:
+    """Run ``fn`` on a daemon thread for at most ``timeout`` seconds; False if it did not
+    return (a cluster whose processes were killed can leave Ray calls waiting forever)."""
+    thread = threading.Thread(target=fn, name=f"diffusion-offload-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        logger.warning("%s did not finish within %g s; exiting without it", what, timeout)
+        return False
+    return True
+
+
 def _device_plan(args: argparse.Namespace, gpus: float) -> bool:
     """True when generators take GPUs (``--device cuda``, or no ``--device`` and the
     cluster has GPUs)."""
@@ -869,7 +890,9 @@ def serve_ray(args: argparse.Namespace) -> int:
     starts a local Ray cluster (or joins ``--ray-address``), deploys the application and
     serves until SIGINT/SIGTERM: new jobs are then refused, running ones get
     ``--shutdown-grace`` seconds, and the application and its job index are deleted.
-    A bad value prints one line ``diffusion-offload: error: ...`` and returns 2.
+    A bad value prints one line ``diffusion-offload: error: ...`` and returns 2. Every
+    shutdown step is bounded: if the cluster's own processes were killed too (SIGTERM to
+    the whole process group), the command still exits.
     """
     from ..cli_args import CliError, parse_config_args, quiet_libraries
 
@@ -954,12 +977,16 @@ def serve_ray(args: argparse.Namespace) -> int:
                 pass
             print(f"diffusion-offload: stopping (running jobs get up to {settings.shutdown_grace:g} s)",
                   file=sys.stderr, flush=True)
-            undeploy(app_name, grace=settings.shutdown_grace)
+            clean = _bounded(lambda: undeploy(app_name, grace=settings.shutdown_grace),
+                             settings.shutdown_grace + 15.0, "undeploy")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        if local:
-            serve.shutdown()
+        if local and clean:
+            clean = _bounded(serve.shutdown, 15.0, "serve-shutdown")
         return 0
     finally:
-        ray.shutdown()
+        if not _bounded(ray.shutdown, 15.0, "ray-shutdown"):
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1)
