@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports (CI has no network)
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
@@ -58,7 +59,8 @@ NEEDS_RAY = "Ray Serve is not installed: pip install -e '.[ray]'"
 
 class SlowEngine:
     """An ``Omni`` whose prompts containing ``SLOW`` wait ``SLOW_S`` seconds first (a job
-    long enough to kill its replica mid-run)."""
+    long enough to kill its replica mid-run); ``EXPLODE`` raises a ``RuntimeError`` and
+    ``BADVALUE`` a ``ValueError`` (with a host path in the message)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -67,6 +69,10 @@ class SlowEngine:
         text = prompts if isinstance(prompts, str) else prompts["prompt"]
         if SLOW in text:
             time.sleep(SLOW_S)
+        if "EXPLODE" in text:
+            raise RuntimeError("injected failure reading /home/alice/secret.bin")
+        if "BADVALUE" in text:
+            raise ValueError("injected: shape [1, 52, -1] invalid in /home/alice/model.py")
         return self.inner.generate(prompts, params)
 
     def __getattr__(self, name: str) -> Any:
@@ -162,9 +168,17 @@ def test_plain_serve_does_not_import_ray() -> None:
             "diffusion_offload.server.routes; "
             "from diffusion_offload.cli_args import build_parser; "
             "build_parser().parse_args(['serve', 'm']); "
-            "assert 'ray' not in sys.modules, 'ray imported'; "
+            "assert sys.modules.get('ray') is None, 'ray imported'; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    # without Ray installed, --ray is one line naming the extra
+    code = ("import sys; sys.modules['ray'] = None; from diffusion_offload.cli import main; "
+            "sys.exit(main(['serve', 'some/model', '--ray']))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("diffusion-offload: error: --ray needs Ray Serve, which is not "
+                                 "installed"), run.stderr
+    assert "pip install 'diffusion_offload[ray]'" in run.stderr and run.stderr.count("\n") == 1
 
 
 def test_merged_metrics_keep_each_replicas_series_under_a_bounded_label() -> None:
@@ -297,7 +311,8 @@ class Cluster:
         register_pickle_by_value(sys.modules[__name__])  # SlowEngine/make_engine to replicas
         self.models = {kind: tiny_pipelines.save(kind, root / kind) for kind in ("flux", "wan2.1")}
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR", resources={ray_serve.DEVICE_RESOURCE: 4})
+                 logging_level="ERROR", resources={ray_serve.DEVICE_RESOURCE: 4},
+                 object_store_memory=200 * 2**20)
         self.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.url = f"http://127.0.0.1:{self.port}"
@@ -493,6 +508,23 @@ def test_errors_limits_and_auth_answer_as_the_single_process_server(images: Clus
                 assert ours.status_code >= 400
     finally:
         engine.close()
+
+
+@pytest.mark.ray
+def test_a_failing_generation_answers_as_in_one_process_and_leaks_no_detail(images: Cluster) -> None:
+    r = fresh(images.url, "POST", IMG, json={**image_body(1), "prompt": "EXPLODE car"})
+    assert r.status_code == 500, r.text
+    assert "alice" not in r.text and "Error" not in r.text  # details go to the replica log
+    err = r.json()["error"]
+    assert err["code"] == "generation_failed" and err["type"] == "server_error"
+    assert err["message"].startswith("The model failed while generating a 16x16 image, 1 step; "
+                                     "the server log has the details (job image_")
+    r = fresh(images.url, "POST", IMG, json={**image_body(1), "prompt": "BADVALUE car"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_request"
+    assert r.json()["error"]["message"].startswith("The model could not generate a 16x16 image")
+    assert "alice" not in r.text and "Error" not in r.text
+    assert fresh(images.url, "POST", IMG, json=image_body(2)).status_code == 200
 
 
 @pytest.mark.ray
