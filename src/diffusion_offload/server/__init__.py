@@ -9,6 +9,8 @@
 - :mod:`.metrics`: Prometheus metrics on the server's own registry.
 - :mod:`.engine_adapter`: pipeline capabilities and the step-progress hook.
 - :mod:`.errors`: OpenAI's error envelope.
+- :mod:`.ray_serve`: ``serve --ray``, the same app on Ray Serve with many replicas
+  (imported only then: it imports Ray).
 """
 
 from .app import ServerSettings, create_app, serve

@@ -3,7 +3,8 @@
 Endpoints (OpenAI's shapes; every error is ``{"error": {"message", "type", "param", "code"}}``):
 
 - ``GET /health``: 200 once the model is loaded, 503 before (and while shutting down);
-  never needs the API key.
+  never needs the API key (under Ray Serve, a caller with a valid key, or anyone when
+  no key is set, also gets the list of replicas).
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model, its id as given on the
   command line.
 - ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs.
