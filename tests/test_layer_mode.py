@@ -17,6 +17,7 @@ from torch import nn
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
 from diffusion_offload.discovery import SupportsComponentDiscovery
+from diffusion_offload.engine.omni import _clear_method_caches
 from diffusion_offload.layer_backend import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
@@ -45,17 +46,21 @@ def _images(out) -> np.ndarray:
     return np.asarray(value, dtype=np.float64)
 
 
-def _run(pipe, kind: str, steps: int | None = None) -> np.ndarray:
+def _run(pipe, kind: str, steps: int | None = None, latent: bool = False) -> np.ndarray:
     kwargs = dict(tiny_pipelines.default_call_kwargs(kind))
     if steps is not None:
         kwargs["num_inference_steps"] = steps
     out = pipe(
         prompt="a cat on a mat",
         negative_prompt="blurry",
-        output_type="np",
+        output_type="latent" if latent else "np",
         generator=torch.Generator("cpu").manual_seed(0),
         **kwargs,
     )
+    if latent:
+        value = getattr(out, "images", None)
+        value = out.frames if value is None else value
+        return value.cpu().double().numpy()
     return _images(out)
 
 
@@ -83,7 +88,16 @@ def resident_results(fake_device_module):
         weights = fa.stats()["allocated_bytes"]
         images = _run(pipe, kind)
         s = fa.stats()
-        out[kind] = {"images": images, "d2h": s["d2h_bytes"], "activations": s["peak_bytes"] - weights}
+        fa.reset_peak()
+        _run(pipe, kind, latent=True)
+        latent_peak = fa.stats()["peak_bytes"]
+        out[kind] = {
+            "images": images,
+            "d2h": s["d2h_bytes"],
+            "activations": s["peak_bytes"] - weights,
+            "activations_without_decode": latent_peak - weights,
+        }
+        _clear_method_caches(pipe)  # Qwen-Image memoizes RoPE tables on the device
         del pipe
         gc.collect()
     return out
@@ -122,10 +136,11 @@ def test_layer_mode_equals_all_resident_within_the_bound(kind, resident_results,
     assert _races() == 0
     backend.disable()
 
+    _clear_method_caches(pipe)
     del pipe, backend
     gc.collect()
     assert fa.stats()["allocated_bytes"] == base
-    _BOUNDS[kind] = bound
+    _BOUNDS[kind] = nonblock + two
 
 
 _BOUNDS: dict[str, int] = {}
@@ -133,28 +148,32 @@ _BOUNDS: dict[str, int] = {}
 
 @pytest.mark.parametrize("kind", tiny_pipelines.KINDS)
 def test_at_the_bound_only_layer_mode_runs(kind, resident_results, fake_device):
-    """Capacity = the bound measured above: layer mode runs, all-resident and module mode
-    run out of memory."""
+    """Capacity = the bound (non-block bytes + two largest blocks + activations): layer
+    mode runs, all-resident and module mode run out of memory. The runs stop at the
+    latents: the tiny VAE's decode activations dwarf the tiny weights and would hide the
+    difference (module mode evicts everything before decoding)."""
     if kind not in _BOUNDS:
         pytest.skip("needs test_layer_mode_equals_all_resident_within_the_bound first")
     gc.collect()
     base = fa.stats()["allocated_bytes"]
-    fa.set_capacity(base + _BOUNDS[kind])
+    bound = _BOUNDS[kind] + resident_results[kind]["activations_without_decode"]
+    fa.set_capacity(base + bound)
     try:
         pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
         with LayerwiseOffloadBackend(LAYER, fake_device) as backend:
             backend.enable(pipe)
-            assert np.abs(_run(pipe, kind) - resident_results[kind]["images"]).max() == 0.0
+            _run(pipe, kind, latent=True)
+        _clear_method_caches(pipe)
         del pipe, backend
         gc.collect()
         with pytest.raises(torch.OutOfMemoryError):
-            _run(tiny_pipelines.build(kind, num_layers=BLOCKS).to(fake_device), kind)
+            _run(tiny_pipelines.build(kind, num_layers=BLOCKS).to(fake_device), kind, latent=True)
         gc.collect()
         pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
         with pytest.raises(torch.OutOfMemoryError):
             with ModelLevelOffloadBackend({"mode": "module", "components": ["dit", "text_encoder"]}, fake_device) as b3:
                 b3.enable(pipe)
-                _run(pipe, kind)
+                _run(pipe, kind, latent=True)
     finally:
         fa.set_capacity(None)
     assert _races() == 0
@@ -278,15 +297,21 @@ def test_a_mover_that_skips_the_event_wait_is_caught(fake_device, monkeypatch):
     monkeypatch.setattr(BlockStreamer, "_wait", lambda self, block: None)
     with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
         backend.enable(pipe)
-        with pytest.raises(fa.RaceError, match=r"\["):
+        with pytest.raises(fa.RaceError, match=r"shape \(.*stream 0 \(default\).*without an event wait"):
             with torch.no_grad():
                 pipe(torch.zeros(1, 4, 8, device=fake_device))
     assert _races() >= 1
 
 
 def test_a_mover_that_frees_a_block_before_compute_is_done_is_caught(fake_device, monkeypatch):
+    """The write check's 8-byte read-back already waits for the block's compute, so the
+    broken mover here also skips it (trusting that nothing changed), as a mover without
+    write detection would; then dropping the copy stream's wait is a use-after-free."""
     pipe = OneDiT(num_blocks=4)
     monkeypatch.setattr(BlockStreamer, "_order_release", lambda self: None)
+    monkeypatch.setattr(
+        BlockStreamer, "_changed", lambda self, block, slots, members, unchanged: ([False] * len(members), None)
+    )
     with pytest.raises(fa.RaceError):
         with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
             backend.enable(pipe)
@@ -296,34 +321,33 @@ def test_a_mover_that_frees_a_block_before_compute_is_done_is_caught(fake_device
 
 
 def test_prefetch_overlaps_copies_with_compute(fake_device):
-    """16 equal blocks, copies slowed so one block's copy takes about one block's compute:
-    prefetch hides the copies (ideal ratio 0.5)."""
-    kwargs = {"num_blocks": 16, "width": 256, "heads": 4}
-    x = torch.randn(1, 256, 8, generator=torch.Generator().manual_seed(0))
-    resident = OneDiT(**kwargs).to(fake_device)
-    xd = x.to(fake_device)
-    with torch.no_grad():
-        resident(xd)
-        start = time.perf_counter()
-        for _ in range(3):
-            resident(xd)
-        per_block = (time.perf_counter() - start) / 3 / 16
-    block_bytes = sum(t.numel() * t.element_size() for t in resident.transformer.blocks[0].state_dict().values())
-    del resident
+    """16 equal blocks; each block's compute stands for 100 ms of device time (a sleep, as
+    a GPU kernel would take, so the measurement does not depend on this machine's load)
+    and copies are slowed so one block's copy also takes 100 ms: prefetch hides the
+    copies (ideal ratio 0.5; serial: 16 x (copy + compute)). The fake device's own host
+    work per block (hooks, write checks) cannot overlap: the blocks are kept small."""
+    step = 0.1
+    kwargs = {"num_blocks": 16, "width": 4, "heads": 2}  # small tensors: cheap write checks
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0)).to(fake_device)
     walls = {}
     for prefetch in (True, False):
         pipe = OneDiT(**kwargs)
+        block_bytes = sum(t.numel() * t.element_size() for t in pipe.transformer.blocks[0].state_dict().values())
         with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device, prefetch=prefetch) as backend:
             backend.enable(pipe)
             with torch.no_grad():
-                pipe(xd)  # warm up, learn the order
-                fa.set_copy_bandwidth(block_bytes / per_block)
+                pipe(x)  # warm up, learn the order
+                for block in pipe.transformer.blocks:
+                    block.register_forward_hook(lambda m, a, o: time.sleep(step))
+                fa.set_copy_bandwidth(block_bytes / step)
                 start = time.perf_counter()
-                for _ in range(3):
-                    pipe(xd)
+                pipe(x)
                 walls[prefetch] = time.perf_counter() - start
                 fa.set_copy_bandwidth(None)
+            assert backend.stats.fallback_loads == 0
     ratio = walls[True] / walls[False]
+    print("wall with prefetch / without:", walls, round(ratio, 3))
+    assert walls[False] >= 16 * 2 * step
     assert ratio <= 0.6, walls
     assert _races() == 0
 

@@ -157,7 +157,8 @@ class BlockStreamer:
                 if self.prefetched is not None and self.prefetched is not nxt:
                     self._drop_prefetch()
                 self._load(block, None)
-                self.stats.fallback_loads += 1
+                if self.prefetch:  # without prefetch every load is on demand, by design
+                    self.stats.fallback_loads += 1
             self.running = block
             if (
                 self.prefetch
