@@ -285,3 +285,23 @@ def test_budget_decode_recovers_from_oom_and_strict_never_needs_to(fake_device):
             assert backend.audit() == []
     finally:
         fa.set_capacity(None)
+
+
+def test_cli_device_memory_budget_parses_sizes_and_auto():
+    from diffusion_offload.cli_args import build_parser
+
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        base = [command] if command == "generate" else [command, "some/model"]
+        assert parser.parse_args([*base, "--device-memory-budget", "70GiB"]).device_memory_budget == 70 << 30
+        assert parser.parse_args([*base, "--device-memory-budget", "auto"]).device_memory_budget == "auto"
+        assert parser.parse_args(base).device_memory_budget is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--device-memory-budget", "lots"])
+
+
+def test_omni_refuses_a_budget_in_layer_mode(tmp_path):
+    from diffusion_offload import Omni
+
+    with pytest.raises(ValueError, match="device_memory_budget applies to mode='module'"):
+        Omni(str(tmp_path), {"mode": "layer", "components": ["dit"]}, device="cpu", device_memory_budget="auto")

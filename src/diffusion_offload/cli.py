@@ -56,6 +56,7 @@ _REQUEST_ARGS = {
     "device": ("device", "--device"),
     "dtype": ("dtype", "--dtype"),
     "max_pinned_bytes": ("max_pinned_memory", "--max-pinned-memory"),
+    "device_memory_budget": ("device_memory_budget", "--device-memory-budget"),
 }
 
 
@@ -265,6 +266,8 @@ def _generate(args: argparse.Namespace) -> int:
     _apply_fake_capacity(args.device)
     try:
         extra = {"plan_shape": values} if config == "auto" else {}
+        if args.device_memory_budget is not None:
+            extra["device_memory_budget"] = args.device_memory_budget
         engine = build_omni(
             model_dir, config, variant=args.variant, max_pinned_bytes=args.max_pinned_memory,
             device=args.device, dtype=args.dtype, trace=trace_path is not None, **extra,
@@ -317,6 +320,7 @@ def _generate(args: argparse.Namespace) -> int:
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "diffusion_offload_config": config.to_dict() if config is not None else None,
                 "max_pinned_bytes": args.max_pinned_memory,
+                "device_memory_budget": args.device_memory_budget,
                 "output": str(out_path),
             },
             "model": args.model or str(model_dir),

@@ -135,6 +135,19 @@ def _bytes_type(text: str) -> int:
 _bytes_type.__name__ = "size"
 
 
+def _budget_type(text: str) -> int | str:
+    """``--device-memory-budget``: ``auto`` or a size."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; or auto") from None
+
+
+_budget_type.__name__ = "size or auto"
+
+
 def _autoscale_type(text: str) -> tuple[int, int]:
     """``MIN:MAX`` generator replicas, ``1 <= MIN <= MAX``."""
     match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
@@ -300,6 +313,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pinned-memory", metavar="SIZE", type=_bytes_type,
                    help="cap on pinned host memory for host copies; the rest stays pageable "
                         "(e.g. 40GiB, 512MiB or bytes; default: no cap)")
+    p.add_argument("--device-memory-budget", metavar="SIZE|auto", type=_budget_type,
+                   help="module mode: keep components resident while their weights fit in SIZE "
+                        "bytes of device memory (e.g. 70GiB), or auto: free memory minus a "
+                        "reserve of max(10%%, 1 GiB) for activations; the next stage is "
+                        "prefetched when it fits (default: the strict rule, only the running "
+                        "group on the device)")
 
 
 _DEVICE_KINDS = ("cuda", "xpu", "npu", "mps", "fakegpu", "cpu")  # planner.memory.DEVICE_KINDS

@@ -234,6 +234,8 @@ class Omni:
         plan_shape: with ``"auto"``: the request to plan for, keys ``height``, ``width``
             (pixels), ``num_frames``, ``num_inference_steps``; a missing key takes the
             model's default.
+        device_memory_budget: module mode: bytes of weights that may stay resident,
+            ``"auto"``, or None (the strict rule). See ``diffusion_offload.policy``.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -264,6 +266,7 @@ class Omni:
         variant: str | None = None,
         layer_blocks: Mapping[str, Sequence[str]] | None = None,
         plan_shape: Mapping[str, int | None] | None = None,
+        device_memory_budget: int | str | None = None,
     ) -> None:
         start = time.perf_counter()
         self._lock = threading.RLock()
@@ -274,6 +277,11 @@ class Omni:
         self.config = None if auto else parse_diffusion_offload_config(
             diffusion_offload_config, enable_cpu_offload=enable_cpu_offload
         )
+        if device_memory_budget is not None and self.config is not None and self.config.mode == "layer":
+            raise ValueError(
+                "device_memory_budget applies to mode='module'; layer mode keeps only its "
+                "trunks and two blocks on the device (use layer_options.resident_layers to keep more)"
+            )
         dtype_choice = parse_dtype(dtype)
         self.device = pick_device(device)
         self.platform: Platform = platform_for(self.device)
@@ -317,6 +325,7 @@ class Omni:
                     self.device,
                     component_roles=self.component_roles,
                     max_pinned_bytes=max_pinned_bytes,
+                    device_memory_budget=device_memory_budget,
                 )
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:

@@ -190,10 +190,12 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     variant = getattr(args, "variant", None)
     pinned = getattr(args, "max_pinned_memory", None)
+    budget = getattr(args, "device_memory_budget", None)
+    extra = {} if budget is None else {"device_memory_budget": budget}
 
     def factory() -> Any:
         return build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned,
-                          device=device, dtype=dtype, progress=False)
+                          device=device, dtype=dtype, progress=False, **extra)
 
     tmp = tempfile.mkdtemp(prefix="diffusion-offload-serve-")
     previous_tmp = tempfile.tempdir
