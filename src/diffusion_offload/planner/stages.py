@@ -502,6 +502,15 @@ FAMILIES: dict[str, Callable[[PlanModel, Request, _Run], None]] = {
 """Pipeline class -> its replay program."""
 
 
+def _clear_caches(pm: PlanModel) -> None:
+    """Clear the method caches of the meta modules' classes (Qwen-Image's rotary tables)."""
+    from types import SimpleNamespace
+
+    from ..engine.omni import _clear_method_caches
+
+    _clear_method_caches(SimpleNamespace(components=dict(pm.modules)))
+
+
 def measure_request(pm: PlanModel, req: Request, device_kind: str) -> StageReport:
     """Replay one request of ``pm`` at ``req``'s shapes on the meta device under the memory
     model of ``device_kind`` and return its segments.
@@ -516,6 +525,7 @@ def measure_request(pm: PlanModel, req: Request, device_kind: str) -> StageRepor
             f"{sorted(FAMILIES)}"
         )
     attention = attention_model(device_kind)
+    _clear_caches(pm)  # a cache filled by an earlier plan of these modules would hide allocations
     tracker = LiveBytes()
     run = _Run(tracker)
     import gc
