@@ -32,6 +32,7 @@ from diffusion_offload.testing import fake_accelerator, tiny_pipelines
 KINDS = ("wan2.2", "flux", "sd3", "qwen-image")  # wan2.1: the same program as wan2.2
 # the candidates every tiny kind has (layer rows when layer mode exists)
 NAMES = ("all resident", "module dit+text_encoder", "module dit", "module text_encoder",
+         "module dit+text_encoder + budget",
          "layer dit+text_encoder k=0", "layer dit+text_encoder k=max")
 MARGIN = 1.10
 
@@ -86,8 +87,9 @@ def _row(rows, name: str):
     return next((r for r in rows if r.name == name), None)
 
 
-def _run(folder: str, kind: str, config, capacity: int, requests: int) -> int:
-    """Run ``requests`` requests at ``capacity`` bytes; return the measured peak (bytes).
+def _run(folder: str, kind: str, config: dict, capacity: int, requests: int) -> int:
+    """Run ``requests`` requests of ``Omni(folder, **config)`` (a row's ``config``) at
+    ``capacity`` bytes; return the measured peak (bytes).
 
     Raises:
         torch.OutOfMemoryError, FitError: the device was too small.
@@ -99,7 +101,7 @@ def _run(folder: str, kind: str, config, capacity: int, requests: int) -> int:
     shape = _shape(kind)
     params = SamplingParams(height=shape["height"], width=shape["width"],
                             num_frames=shape["num_frames"], num_inference_steps=shape["steps"])
-    engine = Omni(folder, config, device="fakegpu", progress=False)
+    engine = Omni(folder, **config, device="fakegpu", progress=False)
     try:
         for _ in range(requests):
             engine.generate(_prompt(kind), params)
@@ -117,22 +119,27 @@ def test_predicted_peak_bounds_the_measured_one(kind, name, folders, plans, fake
     if name.startswith("layer") and not layer_mode_available():
         pytest.skip("layer mode is not available")
     probe = _row(plans(kind, 1 << 40), name)
+    if probe is None and name.endswith("budget"):
+        pytest.skip("the memory budget is not available")
     assert probe is not None, f"{kind}: no row {name!r}"
     rows = plans(kind, probe.peak_bytes)
-    row = _row(rows, name) if not name.endswith("k=max") else next(
-        r for r in rows if r.name == probe.name)
+    row = next(r for r in rows if r.name == probe.name)
     assert row.fits and row.peak_bytes == probe.peak_bytes
-    config = row.config["diffusion_offload_config"]
-    measured = _run(folders(kind), kind, config, row.peak_bytes, requests=1)
+    measured = _run(folders(kind), kind, row.config, row.peak_bytes, requests=1)
     assert measured <= row.peak_bytes, (kind, name, measured, row.peak_bytes)
     assert row.peak_bytes <= MARGIN * measured, (kind, name, measured, row.peak_bytes)
 
     too_small = int(row.peak_bytes / MARGIN) - 1
-    small_rows = plans(kind, too_small)
-    same = next((r for r in small_rows if r.name == row.name), None)
-    assert same is None or not same.fits
+    small = next((r for r in plans(kind, too_small) if r.name == row.name), None)
+    if small is not None and small.fits:
+        # the budget follows the device: at the smaller device the plan picks a smaller one
+        assert "device_memory_budget" in small.config
+        assert small.config["device_memory_budget"] < row.config["device_memory_budget"]
+        measured = _run(folders(kind), kind, small.config, too_small, requests=1)
+        assert measured <= small.peak_bytes
+        return
     with pytest.raises((torch.OutOfMemoryError, FitError)):
-        _run(folders(kind), kind, config, too_small, requests=1)
+        _run(folders(kind), kind, row.config, too_small, requests=1)
 
 
 @pytest.mark.parametrize("kind", ["wan2.2", "qwen-image"])
@@ -140,8 +147,7 @@ def test_back_to_back_requests_stay_under_the_prediction(kind, folders, plans, f
     # what a request leaves allocated (the scheduler's last outputs, rotary caches) is
     # there during the next one: the prediction includes it
     row = _row(plans(kind, 1 << 40), "module dit+text_encoder")
-    measured = _run(folders(kind), kind, row.config["diffusion_offload_config"], row.peak_bytes,
-                    requests=2)
+    measured = _run(folders(kind), kind, row.config, row.peak_bytes, requests=2)
     assert measured <= row.peak_bytes <= MARGIN * measured
 
 
@@ -156,7 +162,7 @@ def test_auto_runs_where_module_strict_fails(folders, plans, fake_device, caplog
     assert capacity < strict.peak_bytes  # so at ``capacity`` the plan says strict does not fit
     folder = folders(kind, layers)
     with pytest.raises((torch.OutOfMemoryError, FitError)):
-        _run(folder, kind, strict.config["diffusion_offload_config"], capacity, requests=1)
+        _run(folder, kind, strict.config, capacity, requests=1)
 
     gc.collect()
     fake_accelerator.set_capacity(capacity)

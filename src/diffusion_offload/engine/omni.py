@@ -292,7 +292,10 @@ class Omni:
         self.dtype = self._resolve_dtype(dtype_choice)
         self.plan_choice = None
         if auto:
-            self.config = self._auto_config(plan_shape, layer_blocks)
+            self.config, picked_budget = self._auto_config(
+                plan_shape, layer_blocks, budget=device_memory_budget is None)
+            if picked_budget is not None:
+                device_memory_budget = picked_budget
         self.footprint: Footprint | None = None
         if not self.platform.is_noop:
             free = self.platform.memory_stats().free_bytes
@@ -347,22 +350,25 @@ class Omni:
     # ------------------------------------------------------------------ helpers
 
     def _auto_config(self, shape: Mapping[str, int | None] | None,
-                     layer_blocks: Mapping[str, Sequence[str]] | None) -> DiffusionOffloadConfig | None:
-        """Resolve ``diffusion_offload_config="auto"`` with the planner (logged in one line)."""
+                     layer_blocks: Mapping[str, Sequence[str]] | None,
+                     budget: bool) -> tuple[DiffusionOffloadConfig | None, int | None]:
+        """Resolve ``diffusion_offload_config="auto"`` with the planner (logged in one line):
+        the config and the ``device_memory_budget`` to run (None: none picked)."""
         if self.platform.is_noop:
             logger.info("diffusion_offload_config=auto on the cpu: no offload (a no-op there)")
-            return None
+            return None, None
         from ..planner.auto import auto_config
 
         choice = auto_config(
             self.info.path, device_kind=self.device.type,
             free_bytes=self.platform.memory_stats().free_bytes, dtype=self.dtype,
             variant=self.variant, component_roles=self.component_roles, shape=shape,
-            modes=("module", "layer"), layer_blocks=layer_blocks,
+            modes=("module", "layer") if budget else ("module",), layer_blocks=layer_blocks,
+            budget=budget,
         )
         self.plan_choice = choice.row
         logger.info(choice.message)
-        return choice.config
+        return choice.config, choice.budget
 
     def _check_roles(self, roles: Mapping[str, str] | None) -> dict[str, str] | None:
         if roles is None:

@@ -28,12 +28,14 @@ class AutoChoice:
 
     Attributes:
         config: the offload config to run (None: no offload).
+        budget: the ``device_memory_budget`` to run it with (bytes), or None.
         row: the chosen plan row.
         rows: every row of the plan.
         message: the one line said to the user.
     """
 
     config: Any
+    budget: int | None
     row: PlanRow
     rows: tuple[PlanRow, ...]
     message: str
@@ -56,6 +58,7 @@ def auto_config(
     modes: Sequence[str] = ("module",),
     h2d_bandwidth: float = DEFAULT_H2D_BANDWIDTH,
     layer_blocks: Mapping[str, Sequence[str]] | None = None,
+    budget: bool = True,
 ) -> AutoChoice:
     """Plan ``path`` and return the config of the fastest candidate that fits.
 
@@ -69,6 +72,8 @@ def auto_config(
         shape: ``height``, ``width``, ``num_frames``, ``num_inference_steps`` (None or
             missing: the model's defaults).
         modes: offload modes the engine can run; rows of other modes are not picked.
+        budget: False when the caller fixed ``device_memory_budget`` itself: rows that set
+            one are not picked.
         h2d_bandwidth: host-to-device bytes/s used to rank candidates.
         layer_blocks: block container overrides per component (layer mode).
 
@@ -87,17 +92,20 @@ def auto_config(
                               shape.get("num_inference_steps"))
     rows = plan_model(pm, request, free_bytes, device_kind=kind, h2d_bandwidth=h2d_bandwidth)
     runnable = [r for r in rows
-                if r.config.get("diffusion_offload_config") is None
-                or r.config["diffusion_offload_config"]["mode"] in modes]
+                if (r.config.get("diffusion_offload_config") is None
+                    or r.config["diffusion_offload_config"]["mode"] in modes)
+                and (budget or "device_memory_budget" not in r.config)]
     what = _what(request, kind)
     row = choose(runnable, free_bytes, what)
     from ..cli import human_bytes
 
     config = parse_diffusion_offload_config(row.config.get("diffusion_offload_config"))
+    budget = row.config.get("device_memory_budget")
+    with_budget = f", device_memory_budget={budget}" if budget is not None else ""
     message = (
         f"diffusion_offload_config=auto picked '{row.name}' "
-        f"({config.to_json() if config is not None else 'no offload'}): predicted peak "
+        f"({config.to_json() if config is not None else 'no offload'}{with_budget}): predicted peak "
         f"{human_bytes(row.peak_bytes)} of {human_bytes(free_bytes)} free, "
         f"{human_bytes(row.h2d_bytes_per_request)} host->device per request, for {what}"
     )
-    return AutoChoice(config, row, tuple(rows), message)
+    return AutoChoice(config, budget, row, tuple(rows), message)

@@ -26,8 +26,11 @@ Residency rules (SPEC sections 4 and 10):
   selected DiT and a double buffer of the two largest blocks stay on the device, with the
   unselected components; every forward call of a selected component streams its other
   blocks host-to-device.
-* **module with a memory budget**: reserved (:func:`_budget_candidates`), added once the
-  memory-policy issue lands.
+* **module with a memory budget** (``device_memory_budget``, when ``Omni`` takes it): the
+  budget is ``device_memory`` minus the largest activation peak of a segment; a stage
+  evicts selected components, farthest next use first, only until its group fits the
+  budget; the VAE keeps the DiTs beside it. The predicted peak takes the budget as full
+  at every segment (prefetching may fill it).
 
 Time: ``transfer_seconds = h2d_bytes_per_request / h2d_bandwidth``, as if no copy overlapped
 compute (layer mode overlaps them, so its real cost is lower). Compute is the same for
@@ -96,9 +99,10 @@ class PlanRow:
 class _Candidate:
     name: str
     config: dict[str, Any]
-    kind: str  # "resident", "module", "layer"
+    kind: str  # "resident", "module", "budget", "layer"
     selected: frozenset[str] = frozenset()
     resident_layers: int = 0
+    budget: int = 0
 
 
 def _selectable(pm: PlanModel, roles: Sequence[str]) -> frozenset[str]:
@@ -123,11 +127,75 @@ def _module_candidates(pm: PlanModel) -> list[_Candidate]:
     return out
 
 
-def _budget_candidates(pm: PlanModel) -> list[_Candidate]:
-    """Module mode with ``device_memory_budget`` (SPEC section 11): none until the memory
-    policy exists. Its rows will carry ``{"diffusion_offload_config": ...,
-    "device_memory_budget": bytes}`` and evict only what the next group needs."""
-    return []
+def budget_available() -> bool:
+    """Whether ``Omni`` takes ``device_memory_budget`` (the memory policy, SPEC section 11)."""
+    import inspect
+
+    from ..engine.omni import Omni
+
+    return "device_memory_budget" in inspect.signature(Omni.__init__).parameters
+
+
+def _budget_candidate(pm: PlanModel, report: StageReport, device_memory: int) -> _Candidate | None:
+    """Module mode (DiTs and text encoders) with ``device_memory_budget`` = the device
+    memory minus the largest activation peak of a segment, so that weights (which the
+    budget bounds) plus activations fit; at least what one stage needs resident."""
+    comps = pm.components
+    sel = _selectable(pm, ("dit", "text_encoder"))
+    if not any(comps[n].role == "dit" for n in sel):
+        return None
+    fixed = pm.bytes_of(n for n in comps if n not in sel)
+    encoders = {n for n in sel if comps[n].role != "dit"}
+    groups = [pm.bytes_of(encoders)] + [comps[n].nbytes for n in sel if n not in encoders]
+    least = fixed + max(groups)
+    budget = max(device_memory - max((p for _, p in report.segments), default=0), least)
+    config = {"mode": "module", "components": ["dit", "text_encoder"]}
+    return _Candidate("module dit+text_encoder + budget",
+                      {"diffusion_offload_config": config, "device_memory_budget": budget},
+                      "budget", frozenset(sel), budget=budget)
+
+
+def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[int, int, int]:
+    """The memory policy with a budget (``policy.MemoryPolicy``): a stage loads its group
+    (all selected encoders together, or one DiT), first evicting selected components by
+    farthest next use in the request's cyclic order until the budget holds; nothing else
+    moves (the VAE keeps the DiTs beside it; prefetch moves the same bytes earlier). The
+    peak assumes the budget full at every segment (prefetch may fill it)."""
+    comps = pm.components
+    sel = cand.selected
+    encoders = {n for n in sel if comps[n].role != "dit"}
+    budget = cand.budget
+    order: list[frozenset[str]] = []
+    for name, _ in report.segments:
+        group = frozenset(encoders if name in encoders else {name})
+        if not order or order[-1] != group:
+            order.append(group)
+    resident = {n for n in comps if comps[n].role != "dit" or n not in sel}
+    total = pm.bytes_of(comps)
+    resting = h2d = 0
+    for _request in range(3):  # the third request is the steady state
+        h2d = 0
+        for pos, group in enumerate(order):
+            missing = (group & sel) - resident
+            need = pm.bytes_of(missing)
+            pool = [n for n in resident if n in sel and n not in group]
+
+            def distance(name: str, pos: int = pos) -> int:
+                for d in range(1, len(order) + 1):
+                    if name in order[(pos + d) % len(order)]:
+                        return d
+                return len(order) + 1
+
+            for victim in sorted(pool, key=distance, reverse=True):
+                if pm.bytes_of(resident) + need <= budget:
+                    break
+                resident.discard(victim)
+            resident |= missing
+            h2d += need
+            resting = max(resting, pm.bytes_of(resident))
+    full = min(budget, total)
+    peak = max(full + act for _, act in report.segments) if report.segments else full
+    return resting, peak, h2d
 
 
 def layer_mode_available() -> bool:
@@ -168,6 +236,8 @@ def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
         return weights, weights + max((p for _, p in report.segments), default=0), 0
     if cand.kind == "layer":
         return _walk_layer(pm, report, cand)
+    if cand.kind == "budget":
+        return _walk_budget(pm, report, cand)
     sel = cand.selected
     sel_dits = {n for n in sel if comps[n].role == "dit"}
     sel_encoders = sel - sel_dits
@@ -181,9 +251,10 @@ def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
                 resident -= sel_encoders | (sel_dits - {name})
             elif role in ("text_encoder", "encoder", "vae"):
                 resident -= sel_dits
-            if name in sel and name not in resident:
-                resident.add(name)
-                moved += comps[name].nbytes
+            group = sel_encoders if name in sel_encoders else {name}  # encoders load together
+            for member in sorted(group & sel - resident):
+                resident.add(member)
+                moved += comps[member].nbytes
             weights = pm.bytes_of(resident)
             resting = max(resting, weights)
             peak = max(peak, weights + act)
@@ -282,7 +353,11 @@ def plan_model(
     report = measure_request(pm, request, device_kind)
     everything = _Candidate("all resident", {"diffusion_offload_config": None}, "resident")
     rows = [_row(pm, report, everything, device_memory, h2d_bandwidth, device_kind)]
-    for cand in _module_candidates(pm) + _budget_candidates(pm):
+    candidates = _module_candidates(pm)
+    if budget_available():
+        budgeted = _budget_candidate(pm, report, device_memory)
+        candidates += [budgeted] if budgeted is not None else []
+    for cand in candidates:
         rows.append(_row(pm, report, cand, device_memory, h2d_bandwidth, device_kind))
     if layer_mode_available():
         rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind)
