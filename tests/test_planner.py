@@ -315,3 +315,25 @@ def test_generate_auto_and_enable_cpu_offload_conflict(capsys):
     code = main(["generate", "--diffusion-offload-config", "auto", "--enable-cpu-offload"])
     assert code == 2
     assert "auto cannot be combined with --enable-cpu-offload" in capsys.readouterr().err
+
+
+def test_serve_path_builds_an_auto_engine(tiny_wan, fake_device, caplog):
+    """``serve --diffusion-offload-config auto``: the parsed flag reaches ``build_omni``
+    (the server's engine factory) as ``"auto"``, planned at the model's defaults."""
+    import logging
+
+    from diffusion_offload.cli_args import build_parser, parse_config_args
+    from diffusion_offload.engine.requests import build_omni
+
+    args = build_parser().parse_args(["serve", str(tiny_wan), "--diffusion-offload-config", "auto",
+                                      "--device", "fakegpu"])
+    config = parse_config_args(args)
+    assert config == "auto"
+    with caplog.at_level(logging.INFO, logger="diffusion_offload"):
+        engine = build_omni(tiny_wan, config, device="fakegpu", progress=False)
+    try:
+        assert engine.plan_choice is not None
+        assert engine.plan_choice.fits
+        assert any("auto picked" in r.getMessage() for r in caplog.records)
+    finally:
+        engine.close()

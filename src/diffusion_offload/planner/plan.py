@@ -159,8 +159,10 @@ def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[
     """The memory policy with a budget (``policy.MemoryPolicy``): a stage loads its group
     (all selected encoders together, or one DiT), first evicting selected components by
     farthest next use in the request's cyclic order until the budget holds; nothing else
-    moves (the VAE keeps the DiTs beside it; prefetch moves the same bytes earlier). The
-    peak assumes the budget full at every segment (prefetch may fill it)."""
+    moves (the VAE keeps the DiTs beside it; prefetch moves the same bytes earlier).
+    Transfers: the mean of two consecutive steady-state requests (with room for two of
+    Wan2.2's three components the pattern alternates). The peak assumes the budget full
+    at every segment (prefetch may fill it)."""
     comps = pm.components
     sel = cand.selected
     encoders = {n for n in sel if comps[n].role != "dit"}
@@ -172,8 +174,9 @@ def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[
             order.append(group)
     resident = {n for n in comps if comps[n].role != "dit" or n not in sel}
     total = pm.bytes_of(comps)
-    resting = h2d = 0
-    for _request in range(3):  # the third request is the steady state
+    resting = 0
+    moved: list[int] = []
+    for _request in range(5):  # steady state: the policy may alternate between two patterns
         h2d = 0
         for pos, group in enumerate(order):
             missing = (group & sel) - resident
@@ -193,6 +196,8 @@ def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[
             resident |= missing
             h2d += need
             resting = max(resting, pm.bytes_of(resident))
+        moved.append(h2d)
+    h2d = (moved[-1] + moved[-2]) // 2
     full = min(budget, total)
     peak = max(full + act for _, act in report.segments) if report.segments else full
     return resting, peak, h2d

@@ -955,7 +955,8 @@ def serve_ray(args: argparse.Namespace) -> int:
         app_name = "diffusion-offload"
         application = build_application(
             model, settings, app_name=app_name,
-            config=config.to_dict() if config is not None else None,
+            # "auto" stays "auto": each replica plans for its own device
+            config=config.to_dict() if hasattr(config, "to_dict") else config,
             engine_options=engine_options, replicas=args.replicas or 1, autoscale=autoscale,
             ingress_replicas=args.ingress_replicas or 1, use_gpus=use_gpus,
         )
