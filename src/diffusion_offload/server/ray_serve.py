@@ -952,6 +952,9 @@ def serve_ray(args: argparse.Namespace) -> int:
         engine_options = {"device": "cuda" if use_gpus else args.device, "dtype": args.dtype,
                           "variant": getattr(args, "variant", None),
                           "max_pinned_bytes": getattr(args, "max_pinned_memory", None)}
+        budget = getattr(args, "device_memory_budget", None)
+        if budget is not None:  # as plain serve: each replica applies it to its own device
+            engine_options["device_memory_budget"] = budget
         app_name = "diffusion-offload"
         application = build_application(
             model, settings, app_name=app_name,
