@@ -28,7 +28,7 @@ def _run(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
 def test_every_option_has_help_with_its_default() -> None:
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(subparsers.choices) == {"generate", "serve", "make-tiny"}
+    assert set(subparsers.choices) == {"generate", "serve", "make-tiny", "plan"}
     for name, sub in subparsers.choices.items():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):

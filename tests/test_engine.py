@@ -367,7 +367,7 @@ def test_fit_check(models, fake_device):
         Omni(path, FULL, device="fakegpu", progress=False)
     message = str(refused.value)
     assert f"needs {need_full} bytes" in message and f"only {need_full - 1} bytes are free" in message
-    assert "no model-level offload config fits" in message
+    assert "no offload config fits" in message  # module and layer candidates alike
     assert fa.stats()["allocated_bytes"] == allocated  # nothing was loaded
 
     # no offload does not fit, the full config does: the message suggests it
