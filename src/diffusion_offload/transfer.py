@@ -180,7 +180,8 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     device memory (400 KiB for a 70 M-element weight); the fingerprint is
     ``sum_i r_i*a_i + sum_j c_j*b_j + sum_k t_k*d_k`` modulo 2**64, where ``r`` are the
     row sums, ``c`` the column sums, ``t`` the tail words, ``a`` and ``d`` odd and ``b``
-    even position-dependent multipliers. The sums are reductions with a 64-bit
+    even position-dependent multipliers (one splitmix64 sequence over rows, columns and
+    tail: about 16 device ops a tensor). The sums are reductions with a 64-bit
     accumulator, so no full-size temporary is made.
 
     A change of one word always changes the fingerprint (its coefficient, odd + even or
@@ -199,15 +200,22 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     dev = w.device
     k = math.isqrt(n)
     rows = n // k if k else 0
-    acc = torch.zeros((), dtype=torch.int64, device=dev)
+    tail = n - rows * k
+    # one multiplier sequence: rows (odd), columns (even), tail words (odd)
+    coef = _mix(0, rows + k + tail if rows else tail, _K2, dev)
+    parts = []
     if rows:
         grid = w[: rows * k].view(rows, k)
-        acc += (grid.sum(dim=1, dtype=torch.int64) * _mix(0, rows, _K2, dev).bitwise_or_(1)).sum()
-        acc += (grid.sum(dim=0, dtype=torch.int64) * (_mix(0, k, _K3, dev) << 1)).sum()
-    tail = w[rows * k :]
-    if tail.numel():
-        acc += (tail.to(torch.int64) * _mix(rows * k, tail.numel(), _K1, dev).bitwise_or_(1)).sum()
-    return acc
+        coef[:rows].bitwise_or_(1)
+        coef[rows : rows + k].bitwise_left_shift_(1)
+        parts += [grid.sum(dim=1, dtype=torch.int64), grid.sum(dim=0, dtype=torch.int64)]
+    if tail:
+        coef[coef.numel() - tail :].bitwise_or_(1)
+        parts.append(w[rows * k :].to(torch.int64))
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=dev)
+    values = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return (values.mul_(coef)).sum()
 
 
 SMALL_WORDS = 128
