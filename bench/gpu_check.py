@@ -1,4 +1,4 @@
-"""GPU check: the placement/equality tests on a real device, then transfer bandwidth.
+"""GPU check: placement/equality tests on a real device, transfer bandwidth, layer mode.
 
 1. Runs ``tests/test_backend.py``, ``tests/test_transfer_hooks.py`` and
    ``tests/test_split.py`` with the ``fake_device`` fixture switched to the real device
@@ -13,17 +13,18 @@
    It also reports pinned bytes against weight bytes, whether the host storages were
    pinned in place (same data pointers before and after ``enable()``) and how much the
    CUDA caching host allocator grew (0 expected: no ``pin_memory()`` copies).
-
 3. Layer mode (``LayerwiseOffloadBackend``): a random DiT-shaped bf16 model, 40 blocks of
    width 5120 (attention: qkv + out projections and ``scaled_dot_product_attention``, 40
-   heads; MLP 4x; pre-norm; ~629 MB per block, 23.4 GiB in all), one forward of batch 1
-   at 4096 and at 16384 tokens, timed with synchronization (median of ``--repeats`` back
-   to back forwards after one warm-up, as in a denoising loop): all resident; layer mode
-   with prefetch; without prefetch (``prefetch=False``: every block copied when it runs);
-   with prefetch and ``resident_layers`` 10 and 20. Reports the overhead vs resident,
-   streamed bytes per forward and the H2D rate they amount to (streamed bytes / forward
-   time), the pinned H2D bandwidth of one block-sized copy for reference, peak device
-   memory (``max_memory_allocated``), and whether the output equals the resident one.
+   heads; MLP 4x; pre-norm; ~629 MB per block, 23.4 GiB in all), one forward of batch 1 at
+   4096 and at 16384 tokens, timed with synchronization (median of ``--repeats`` back to
+   back forwards after one warm-up, as in a denoising loop): all resident; layer mode with
+   prefetch; without prefetch (``prefetch=False``: every block copied when it runs); with
+   prefetch and ``resident_layers`` 10 and 20; and, as a diagnostic, with prefetch and the
+   write check (device fingerprints at each block's release) stubbed out. Reports the
+   overhead vs resident, streamed bytes per forward and the H2D rate they amount to
+   (streamed bytes / forward time), the pinned H2D bandwidth of one block-sized copy for
+   reference, peak device memory (``max_memory_allocated``), and whether the output equals
+   the resident one.
 
 Needs torch >= 2.11 with a GPU and pytest; not diffusers. Run from the repo root::
 
@@ -61,6 +62,7 @@ from diffusion_offload import (  # noqa: E402
     SupportsComponentDiscovery,
 )
 from diffusion_offload.hooks import get_hook  # noqa: E402
+from diffusion_offload.layer_backend import BlockStreamer  # noqa: E402
 from diffusion_offload.transfer import Mover  # noqa: E402
 
 
@@ -364,8 +366,17 @@ def measure_layer(
         ("layer, no prefetch", False, 0),
         (f"layer, prefetch, resident_layers {blocks // 4}", True, blocks // 4),
         (f"layer, prefetch, resident_layers {blocks // 2}", True, blocks // 2),
+        # diagnostic: the write check (device fingerprints of each block at its release,
+        # 8 bytes read back: a host wait for that block's compute) stubbed out
+        ("layer, prefetch, write check stubbed (diagnostic)", True, 0),
     ]
+    real_changed = BlockStreamer._changed
     for name, prefetch, resident in variants:
+        if "stubbed" in name:
+            BlockStreamer._changed = lambda self, block, slots, members, unchanged: (
+                [False] * len(members),
+                None,
+            )
         config: dict = {"mode": "layer", "components": ["dit"]}
         if resident:
             config["layer_options"] = {"dit": {"resident_layers": resident}}
@@ -389,6 +400,7 @@ def measure_layer(
             )
         finally:
             backend.disable()
+            BlockStreamer._changed = real_changed
         mod.empty_cache()
     return rows
 

@@ -40,7 +40,11 @@ the script checks it; wall time is the median):
 * time: median wall time / the all-resident median (same process, side by side)
 * max|diff|: largest absolute difference of the latents from the all-resident latents
 
-Usage (about 2 minutes on 2 shared CPU cores)::
+``--diagnose-write-check`` adds module and layer mode with our write detection (device
+fingerprints of the weights at load/release, read back to the host) stubbed out: what it
+costs in time on this device, where every device op is a Python call.
+
+Usage (about 2 minutes on 2 shared CPU cores; 3 with ``--diagnose-write-check``)::
 
     HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/layer_offload.py [--runs 3] [--json out.json]
 """
@@ -48,6 +52,7 @@ Usage (about 2 minutes on 2 shared CPU cores)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -65,8 +70,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
+from diffusion_offload.layer_backend import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
+from diffusion_offload.transfer import Mover
 
 SELECT = ["dit", "text_encoder"]
 DITS = ("transformer", "transformer_2")
@@ -89,6 +96,25 @@ def _count_host_syncs() -> None:
         cls.synchronize = counted
 
 
+_REAL_CHECKS = (BlockStreamer._changed, Mover._fingerprints)
+
+
+@contextlib.contextmanager
+def _write_check(on: bool):
+    """``on=False``: our write detection stubbed out (nothing read, everything "unchanged"),
+    as ``bench/residency_costs.py fingerprint`` does, to see what it costs on this device."""
+    if not on:
+        BlockStreamer._changed = lambda self, block, slots, members, unchanged: (
+            [False] * len(members),
+            None,
+        )
+        Mover._fingerprints = lambda self, members: [0] * len(members)
+    try:
+        yield
+    finally:
+        BlockStreamer._changed, Mover._fingerprints = _REAL_CHECKS
+
+
 @dataclass
 class Variant:
     """One way of running a pipeline, once set up: its pipeline and what keeps it alive."""
@@ -102,6 +128,7 @@ class Variant:
     runs: list[dict[str, Any]] = field(default_factory=list)
     out: np.ndarray | None = None
     engine: dict[str, int] = field(default_factory=dict)  # our backend's counters, last run
+    write_check: bool = True  # False: our write detection stubbed out (diagnostic)
 
 
 def _build(kind: str, layers: int) -> Any:
@@ -149,19 +176,23 @@ def _group_offload(
     pipe.vae.to(device)
 
 
-def _setups(kind: str, layers: int, device: torch.device) -> dict[str, Callable[[], Variant]]:
+def _setups(
+    kind: str, layers: int, device: torch.device, diagnose: bool = False
+) -> dict[str, Callable[[], Variant]]:
     """Variant name -> a function that builds and sets up that variant's pipeline."""
 
     def resident() -> Variant:
         pipe = _build(kind, layers).to(device)
         return Variant("all-resident", pipe)
 
-    def ours(name: str, cls: type, config: dict[str, Any]) -> Callable[[], Variant]:
+    def ours(
+        name: str, cls: type, config: dict[str, Any], write_check: bool = True
+    ) -> Callable[[], Variant]:
         def setup() -> Variant:
             pipe = _build(kind, layers)
             backend = cls(config, device)
             backend.enable(pipe)
-            return Variant(name, pipe, backend)
+            return Variant(name, pipe, backend, write_check=write_check)
 
         return setup
 
@@ -196,12 +227,27 @@ def _setups(kind: str, layers: int, device: torch.device) -> dict[str, Callable[
         return setup
 
     layer = {"mode": "layer", "components": SELECT}
+    module = {"mode": "module", "components": SELECT}
+    diagnostic = {
+        "diffusion_offload module, write check stubbed (diagnostic)": ours(
+            "diffusion_offload module, write check stubbed (diagnostic)",
+            ModelLevelOffloadBackend,
+            module,
+            write_check=False,
+        ),
+        "diffusion_offload layer (prefetch), write check stubbed (diagnostic)": ours(
+            "diffusion_offload layer (prefetch), write check stubbed (diagnostic)",
+            LayerwiseOffloadBackend,
+            layer,
+            write_check=False,
+        ),
+    }
     return {
         "all-resident": resident,
         "diffusion_offload module [dit, text_encoder]": ours(
             "diffusion_offload module [dit, text_encoder]",
             ModelLevelOffloadBackend,
-            {"mode": "module", "components": SELECT},
+            module,
         ),
         "diffusion_offload layer (prefetch)": ours(
             "diffusion_offload layer (prefetch)", LayerwiseOffloadBackend, layer
@@ -221,6 +267,7 @@ def _setups(kind: str, layers: int, device: torch.device) -> dict[str, Callable[
         "diffusers group leaf_level, use_stream": group(
             "diffusers group leaf_level, use_stream", "leaf_level", True
         ),
+        **(diagnostic if diagnose else {}),
     }
 
 
@@ -235,9 +282,10 @@ def _measure_once(v: Variant, kind: str, output: str) -> None:
     _HOST_SYNCS[0] = 0
     start = fa.stats()["allocated_bytes"]
     engine = v.keep.stats.snapshot() if v.keep is not None else None
-    t0 = time.perf_counter()
-    out = _request(v.pipe, kind, output)
-    seconds = time.perf_counter() - t0
+    with _write_check(v.write_check):
+        t0 = time.perf_counter()
+        out = _request(v.pipe, kind, output)
+        seconds = time.perf_counter() - t0
     s = _counters()
     if engine is not None:
         spent = v.keep.stats.since(engine)
@@ -269,21 +317,22 @@ def _measure_once(v: Variant, kind: str, output: str) -> None:
 
 
 def bench_kind(
-    kind: str, layers: int, runs: int, output: str, device: torch.device
+    kind: str, layers: int, runs: int, output: str, device: torch.device, diagnose: bool = False
 ) -> list[Variant]:
     variants: list[Variant] = []
-    for name, setup in _setups(kind, layers, device).items():
+    for name, setup in _setups(kind, layers, device, diagnose).items():
         gc.collect()
         before = fa.stats()["allocated_bytes"]
         t0 = time.perf_counter()
         try:
             v = setup()
-            _request(v.pipe, kind, output)  # warm-up: cold start, order learning
-            if isinstance(v.keep, LayerwiseOffloadBackend):
-                # layer mode learns what follows the last DiT forward (the next request's
-                # text encoder) only when that runs: from the third request on, every
-                # prefetch is predicted (the tests measure the same way)
-                _request(v.pipe, kind, output)
+            with _write_check(v.write_check):
+                _request(v.pipe, kind, output)  # warm-up: cold start, order learning
+                if isinstance(v.keep, LayerwiseOffloadBackend):
+                    # layer mode learns what follows the last DiT forward (the next
+                    # request's text encoder) only when that runs: from the third request
+                    # on, every prefetch is predicted (the tests measure the same way)
+                    _request(v.pipe, kind, output)
         except Exception as exc:  # noqa: BLE001 - a failing variant is a result
             v = Variant(name, error=f"{type(exc).__name__}: {exc}".split("\n")[0])
             gc.collect()
@@ -420,6 +469,11 @@ def main() -> int:
         help="torch CPU threads (1: steadier ratios on a shared machine)",
     )
     parser.add_argument(
+        "--diagnose-write-check",
+        action="store_true",
+        help="add module and layer mode with our write detection stubbed out (its cost here)",
+    )
+    parser.add_argument(
         "--json", metavar="PATH", help="also write the results as JSON ('-': stdout)"
     )
     args = parser.parse_args()
@@ -429,7 +483,9 @@ def main() -> int:
     start = time.perf_counter()
     results = []
     for kind in args.kinds:
-        variants = bench_kind(kind, args.layers, args.runs, args.output, device)
+        variants = bench_kind(
+            kind, args.layers, args.runs, args.output, device, args.diagnose_write_check
+        )
         results.append(summarize(kind, variants))
         del variants
         gc.collect()
