@@ -10,22 +10,26 @@ For one model and one request shape the planner
 3. for every candidate, walks the request's segments with that candidate's residency rule
    and reports, per request: the most weight bytes resident at once (``resting_bytes``),
    the most weight plus activation bytes (``peak_bytes``), the host-to-device bytes
-   (``h2d_bytes_per_request``, steady state: the second of two requests) and their time
+   (``h2d_bytes_per_request``, steady state: a request after the first) and their time
    at ``h2d_bandwidth`` (``transfer_seconds``).
 
 Residency rules (SPEC sections 4 and 10):
 
-* **all resident** (no offload): every component on the device.
+* **all resident** (no offload): every component on the device (``pipeline.to``; on a
+  PrivateUse1 device, the fake one and NPU, a Parameter shared by two modules is copied
+  once per module, as PyTorch's ``_apply`` does there).
 * **module** (``mode="module"``, strict: no budget): after ``enable`` the selected DiTs are
   on the host and everything else on the device. A DiT's hook evicts the selected encoders
-  and every other selected DiT, then loads itself; an encoder's hook and the VAE's hook
-  evict the selected DiTs; unselected components never move. Evictions cost no transfer
-  (unmodified weights); every load copies the component's bytes host-to-device.
+  and every other selected DiT, then loads itself; an encoder's hook evicts the selected
+  DiTs and loads all selected encoders (one group); the VAE's hook evicts the selected
+  DiTs; unselected components never move. Evictions cost no transfer (unmodified
+  weights); every load copies the component's bytes host-to-device.
 * **layer** (``mode="layer"``, offered when ``LayerwiseOffloadBackend`` exists): the
   non-block parts of the selected components, the first ``resident_layers`` blocks of each
   selected DiT and a double buffer of the two largest blocks stay on the device, with the
   unselected components; every forward call of a selected component streams its other
-  blocks host-to-device.
+  blocks host-to-device (prefetches the backend drops after a wrong guess, at most one
+  block per change of component, are not counted).
 * **module with a memory budget** (``device_memory_budget``, when ``Omni`` takes it): the
   budget is ``device_memory`` minus the largest activation peak of a segment; a stage
   evicts selected components, farthest next use first, only until its group fits the
@@ -75,7 +79,8 @@ class PlanRow:
             ``"layer dit+text_encoder k=4"``).
         config: the ``Omni`` keyword arguments that select it, e.g.
             ``{"diffusion_offload_config": {"mode": "module", "components": [...]}}``
-            (``None`` config: no offload).
+            (``None`` config: no offload), plus ``"device_memory_budget": bytes`` for the
+            budget candidate: ``Omni(model, **row.config)`` runs it.
         resting_bytes: the most weight bytes on the device at any moment of a request
             (bytes; what the resting-footprint fit check tests).
         peak_bytes: the most weight plus activation bytes on the device at any moment of
@@ -448,7 +453,8 @@ def plan_offload(
 
     Returns:
         One :class:`PlanRow` per candidate: all resident, module mode for each selection
-        (``dit+text_encoder``, ``dit``, ``text_encoder``), and, when layer mode exists,
+        (``dit+text_encoder``, ``dit``, ``text_encoder``), module mode with a
+        ``device_memory_budget`` (when ``Omni`` takes one), and, when layer mode exists,
         layer mode with 0 resident layers and with the most resident layers that fit.
 
     Raises:
