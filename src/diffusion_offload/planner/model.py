@@ -342,17 +342,21 @@ def _checkpoint_dtype(files: dict[str, list[Path]]) -> torch.dtype | None:
     return _SAFETENSORS_FLOATS[max(counts, key=counts.get)]
 
 
-def _blocks(module: nn.Module, override: Any = None) -> tuple[int, ...]:
-    """Bytes of each block of ``module`` (layer mode), in execution order; () if none."""
+def discover_block_modules(module: nn.Module, override: Any = None) -> list[nn.Module]:
+    """The blocks of ``module`` in execution order (layer mode's discovery), [] if none."""
     try:
         from ..blocks import discover_blocks  # layer mode's own discovery
     except ImportError:  # pragma: no cover - layer mode not installed
         discover_blocks = _fallback_blocks
     try:
-        found = discover_blocks(module, override)
+        return [block for _, block in discover_blocks(module, override)]
     except (ValueError, TypeError):
-        return ()
-    return tuple(_module_bytes(block) for _, block in found)
+        return []
+
+
+def _blocks(module: nn.Module, override: Any = None) -> tuple[int, ...]:
+    """Bytes of each block of ``module`` (layer mode), in execution order; () if none."""
+    return tuple(_module_bytes(block) for block in discover_block_modules(module, override))
 
 
 _FALLBACK_CONTAINERS = (

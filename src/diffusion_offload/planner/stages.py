@@ -502,6 +502,108 @@ FAMILIES: dict[str, Callable[[PlanModel, Request, _Run], None]] = {
 """Pipeline class -> its replay program."""
 
 
+class _BlockReplay:
+    """Replay repeated blocks: the blocks of a component have the same structure and see
+    the same shapes, so the first call of each (class, parameter shapes, argument
+    metadata) runs and later calls allocate what it allocated: a transient of the bytes
+    it needed above what it left, then outputs with the same sizes, strides and dtypes.
+    A block whose output views an input runs every time."""
+
+    def __init__(self, tracker: LiveBytes) -> None:
+        self.tracker = tracker
+        self.memo: dict[tuple, Any] = {}
+        self.structure: dict[int, tuple] = {}
+        self.patched: list[nn.Module] = []
+
+    def install(self, pm: PlanModel) -> None:
+        from .model import discover_block_modules
+
+        seen: set[int] = set()
+        for module in pm.modules.values():
+            for block in discover_block_modules(module):
+                if id(block) in seen:
+                    continue
+                seen.add(id(block))
+                original = block.forward
+                block.forward = self._wrap(block, original)  # type: ignore[method-assign]
+                self.patched.append(block)
+
+    def remove(self) -> None:
+        for block in self.patched:
+            del block.forward
+        self.patched = []
+
+    def _key(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        from .memory import _NO_KEY, _memo_item
+
+        shape = self.structure.get(id(block))
+        if shape is None:
+            shape = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
+            self.structure[id(block)] = shape
+        item = _memo_item((tuple(args), tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))))
+        return None if item is _NO_KEY else (type(block), shape, item)
+
+    def _wrap(self, block: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            key = self._key(block, args, kwargs)
+            layout = self.memo.get(key) if key is not None else None
+            if layout is not None:
+                transient, outputs = layout
+                scratch = torch.empty(transient, dtype=torch.uint8, device=_META)
+                del scratch
+                return _rebuild(outputs)
+            tracker = self.tracker
+            outer_peak = tracker.peak
+            tracker.reset_peak()
+            out = original(*args, **kwargs)
+            leaves = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+            inputs = {t.untyped_storage()._cdata for t in _leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            structure = _structure(out)
+            if key is not None and structure is not None and not any(
+                    t.untyped_storage()._cdata in inputs for t in leaves):
+                kept = sum(t.untyped_storage().nbytes() for t in
+                           {t.untyped_storage()._cdata: t for t in leaves}.values())
+                self.memo[key] = (max(tracker.peak - tracker.now + kept, 0), structure)
+            tracker.peak = max(outer_peak, tracker.peak)
+            return out
+
+        return forward
+
+
+def _leaves(value: Any) -> list[Any]:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(value)
+
+
+def _structure(out: Any) -> Any:
+    """Sizes, strides and dtypes of a block's output (a tensor, None, or a tuple/list of
+    them), or None when it holds anything else."""
+    if out is None:
+        return ("none",)
+    if isinstance(out, torch.Tensor):
+        if not out.is_meta or out.layout != torch.strided:
+            return None
+        return ("tensor", tuple(out.shape), out.stride(), out.dtype)
+    if isinstance(out, (tuple, list)):
+        items = [_structure(o) for o in out]
+        if any(i is None for i in items):
+            return None
+        return ("tuple" if isinstance(out, tuple) else "list", tuple(items))
+    return None
+
+
+def _rebuild(structure: Any) -> Any:
+    kind = structure[0]
+    if kind == "none":
+        return None
+    if kind == "tensor":
+        return torch.empty_strided(structure[1], structure[2], dtype=structure[3], device=_META)
+    items = [_rebuild(s) for s in structure[1]]
+    return tuple(items) if kind == "tuple" else items
+
+
 def _clear_caches(pm: PlanModel) -> None:
     """Clear the method caches of the meta modules' classes (Qwen-Image's rotary tables)."""
     from types import SimpleNamespace
@@ -530,9 +632,14 @@ def measure_request(pm: PlanModel, req: Request, device_kind: str) -> StageRepor
     run = _Run(tracker)
     import gc
 
-    with torch.no_grad(), attention(), tracker:  # as diffusers' __call__ (composite ops decompose)
-        program(pm, req, run)
-        gc.collect()
+    blocks = _BlockReplay(tracker)
+    blocks.install(pm)
+    try:
+        with torch.no_grad(), attention(), tracker:  # as diffusers' __call__ (composite ops decompose)
+            program(pm, req, run)
+            gc.collect()
+    finally:
+        blocks.remove()
     report = run.finish()
     # what a request leaves on the device (the scheduler's last model outputs and sample,
     # its timesteps, models' caches) is still there while the next request runs
