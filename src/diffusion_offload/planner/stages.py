@@ -30,7 +30,9 @@ Supported: ``WanPipeline``, ``FluxPipeline``, ``StableDiffusion3Pipeline``,
 
 from __future__ import annotations
 
+import inspect
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,11 +169,19 @@ def _dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=_META)
 
 
+_DTYPES: "weakref.WeakKeyDictionary[nn.Module, torch.dtype]" = weakref.WeakKeyDictionary()
+
+
 def _dtype_of(module: nn.Module) -> torch.dtype:
     """The module's dtype as the pipeline reads it (``module.dtype``: diffusers and
-    transformers skip modules kept in float32)."""
+    transformers skip modules kept in float32); cached per module (it walks every
+    parameter)."""
+    cached = _DTYPES.get(module)
+    if cached is not None:
+        return cached
     dtype = getattr(module, "dtype", None)
     if isinstance(dtype, torch.dtype):
+        _DTYPES[module] = dtype
         return dtype
     for p in module.parameters():
         if p.is_floating_point():
@@ -528,10 +538,69 @@ class _BlockReplay:
                 block.forward = self._wrap(block, original)  # type: ignore[method-assign]
                 self.patched.append(block)
 
+        for module in pm.modules.values():
+            decoder = getattr(module, "decoder", None)
+            if isinstance(decoder, nn.Module) and id(decoder) not in seen and "feat_cache" in (
+                    inspect.signature(decoder.forward).parameters):
+                seen.add(id(decoder))
+                decoder.forward = self._wrap_cached(decoder, decoder.forward)  # type: ignore[method-assign]
+                self.patched.append(decoder)
+
     def remove(self) -> None:
         for block in self.patched:
             del block.forward
         self.patched = []
+
+    def _wrap_cached(self, decoder: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A causal video decoder called once per latent frame (Wan, Qwen-Image VAEs):
+        ``decoder(x, feat_cache=list, feat_idx=[0], first_chunk=bool)`` replaces the list's
+        entries with new cache tensors. Calls with the same input and cache metadata
+        are replayed: the transient, then new cache entries and the output."""
+        from .memory import _NO_KEY, _memo_item
+
+        def forward(x: torch.Tensor, feat_cache: Any = None, feat_idx: Any = None,
+                    **kwargs: Any) -> Any:
+            if feat_idx is None:
+                feat_idx = [0]
+            if feat_cache is None:
+                return original(x, feat_cache=feat_cache, feat_idx=feat_idx, **kwargs)
+            # the input is a one-frame view of the latents at a different offset each call:
+            # its offset does not change what the call allocates
+            where = (tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else _NO_KEY
+            item = _memo_item((tuple(feat_cache), feat_idx[0], sorted(kwargs.items())))
+            item = _NO_KEY if where is _NO_KEY or item is _NO_KEY else (where, item)
+            key = None if item is _NO_KEY else ("decoder", id(decoder), item)
+            layout = self.memo.get(key) if key is not None else None
+            if layout is not None:
+                transient, out_structure, cache_structures, idx_after = layout
+                scratch = torch.empty(transient, dtype=torch.uint8, device=_META)
+                del scratch
+                for i, structure in enumerate(cache_structures):
+                    if structure is not None:
+                        feat_cache[i] = _rebuild(structure)
+                feat_idx[0] = idx_after
+                return _rebuild(out_structure)
+            tracker = self.tracker
+            outer_peak = tracker.peak
+            start = tracker.now
+            tracker.reset_peak()
+            # weak references: holding the old entries would keep them allocated
+            before = [weakref.ref(e) if isinstance(e, torch.Tensor) else (lambda e=e: e)
+                      for e in feat_cache]
+            out = original(x, feat_cache=feat_cache, feat_idx=feat_idx, **kwargs)
+            structure = _structure(out)
+            olds = [ref() for ref in before] + [None] * (len(feat_cache) - len(before))
+            caches = [None if new is old else
+                      ("const", new) if isinstance(new, (str, int, float)) else _structure(new)
+                      for new, old in zip(feat_cache, olds)]
+            changed = [c for new, old, c in zip(feat_cache, olds, caches) if new is not old]
+            if key is not None and structure is not None and all(
+                    c is not None and c[0] in ("tensor", "none", "const") for c in changed):
+                self.memo[key] = (max(tracker.peak - start, 0), structure, caches, feat_idx[0])
+            tracker.peak = max(outer_peak, tracker.peak)
+            return out
+
+        return forward
 
     def _key(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         from .memory import _NO_KEY, _memo_item
@@ -598,6 +667,8 @@ def _rebuild(structure: Any) -> Any:
     kind = structure[0]
     if kind == "none":
         return None
+    if kind == "const":
+        return structure[1]
     if kind == "tensor":
         return torch.empty_strided(structure[1], structure[2], dtype=structure[3], device=_META)
     items = [_rebuild(s) for s in structure[1]]
