@@ -356,11 +356,10 @@ def test_prefetch_overlaps_copies_with_compute(fake_device):
     assert _races() == 0
 
 
-def test_compiled_blocks_do_not_recompile(fake_device, monkeypatch):
+def test_compiled_blocks_do_not_recompile(fake_device):
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
     ref = _synthetic_reference(fake_device, x, num_blocks=4)
     pipe = OneDiT(num_blocks=4)
@@ -368,7 +367,8 @@ def test_compiled_blocks_do_not_recompile(fake_device, monkeypatch):
         backend.enable(pipe)
         for block in pipe.transformer.blocks:
             block.compile(backend="eager")
-        with torch.no_grad():
+        # dynamo's own patch (monkeypatch's undo would delete the config entry)
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
             for _ in range(3):
                 assert torch.equal(pipe(x.to(fake_device)).cpu(), ref)
         assert backend.audit() == []

@@ -289,17 +289,17 @@ def test_foreign_wrapper_composes(fake_device, order):
         h.remove()
 
 
-def test_compile_does_not_recompile_across_eviction(fake_device, monkeypatch):
+def test_compile_does_not_recompile_across_eviction(fake_device):
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     pipe = Pipe()
     x = torch.ones(2, 8)
     ref = pipe.dit(x).detach()
     _enable(pipe, fake_device)
     compiled = torch.compile(pipe.dit, backend="eager")
-    with torch.no_grad():
+    # dynamo's own patch (monkeypatch's undo would delete the config entry)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         first = compiled(x.to(fake_device))
         pipe.text_encoder(x)  # evicts the DiT
         assert pipe.dit.lin.weight.device.type == "cpu"
