@@ -18,11 +18,18 @@ during which one component is the one running (from the moment its offload hook 
 to the next component's hook), the peak of live activation bytes in it. A candidate's
 peak is then ``max(resident weights during the segment + segment peak)``.
 
-Denoising calls repeat the same shapes, so only the first call of each denoiser runs its
-forward; later calls replay it (an allocation of the bytes it needed above what it left
-allocated, freed, then one of its output's shape), while the guidance arithmetic and the
-scheduler's ``step`` run for every step. Ops are memoised on their arguments' metadata
-(see :class:`~.memory.LiveBytes`), so the 40 identical blocks of a DiT cost one block.
+Repetition is replayed, not re-run, with the same bytes (checked byte for byte against full
+runs on every shipped config): the denoiser's later calls (other guidance branch, later
+steps; the guidance arithmetic and the scheduler's ``step`` still run every step), a
+component's repeated blocks (same class, parameter shapes and argument metadata:
+:class:`_BlockReplay`), the causal video decoder's per-frame calls once its cache is in
+steady state, and single ops with the same argument metadata (:class:`~.memory.LiveBytes`).
+A replay allocates the bytes the first call needed above what it left allocated, frees
+them, then allocates outputs of the recorded sizes, strides and dtypes. A Wan2.2-A14B
+request at 720p, 81 frames, 40 steps replays in about 0.5 s of CPU.
+
+Data-dependent questions on the meta device (``mask.all()``) are answered so that the
+model builds its explicit attention mask (padding present), the larger choice.
 
 Supported: ``WanPipeline``, ``FluxPipeline``, ``StableDiffusion3Pipeline``,
 ``QwenImagePipeline``.
