@@ -350,8 +350,9 @@ _bandwidth_type.__name__ = "bandwidth"
 def _add_plan_parser(sub: Any) -> None:
     plan = sub.add_parser(
         "plan", help="predict memory and transfer cost of each offload config, loading no weight",
-        description="Predict, for each offload candidate (all resident, module mode, layer mode "
-                    "when available), the resting and peak device memory and the host-to-device "
+        description="Predict, for each offload candidate (all resident, module mode, module mode "
+                    "with a memory budget, layer mode), the resting and peak device memory and the "
+                    "host-to-device "
                     "bytes and seconds per request, from the safetensors headers and one request "
                     "replayed on the meta device. No weight is read or downloaded. The fastest "
                     "candidate that fits is marked: it is what --diffusion-offload-config auto "
