@@ -269,6 +269,31 @@ class OffloadBackendBase:
                 stacklevel=4,
             )
 
+    def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
+        """Whether ``weights`` rest on the host after ``enable`` (per mode)."""
+        raise NotImplementedError
+
+    def _establish(self, weights: dict[str, ComponentWeights], txn: Transaction) -> None:
+        """Put what rests on the host there and everything else on the device, evicting
+        before loading.
+
+        Each eviction and load commits at once, so an evicted component's device copy is
+        freed before anything is loaded; if a later step fails, the enable transaction
+        puts every evictable tensor back on the side it was on.
+        """
+        device = self.device
+        unique = {id(s): s for w in weights.values() for s in w.slots if s.evictable}
+        original = [(slot, slot.on_device(device)) for slot in unique.values()]
+        txn.on_rollback(lambda: self._restore(original))
+        for w in weights.values():
+            if self._at_rest_on_host(w):
+                w.resident = True
+                w.evict()
+        for w in weights.values():
+            if not self._at_rest_on_host(w):
+                w.load()
+        self.platform.synchronize()
+
     def _restore(self, original: list[tuple[Any, bool]]) -> None:
         """Put evictable slots back on the side they were on (a rolled-back ``enable``)."""
         mover = self.mover
@@ -443,25 +468,10 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         self.policy = policy
         self._enabled = True
 
-    def _establish(self, weights: dict[str, ComponentWeights], txn: Transaction) -> None:
-        """Selected DiTs on the host, everything else on the device (evict before load).
-
-        Each eviction and load commits at once, so an evicted DiT's device copy is freed
-        before anything is loaded; if a later step fails, the enable transaction puts
-        every evictable tensor back on the side it was on.
-        """
-        device = self.device
-        unique = {id(s): s for w in weights.values() for s in w.slots if s.evictable}
-        original = [(slot, slot.on_device(device)) for slot in unique.values()]
-        txn.on_rollback(lambda: self._restore(original))
-        for w in weights.values():
-            if w.selected and w.role == "dit":
-                w.resident = True
-                w.evict()
-        for w in weights.values():
-            if not (w.selected and w.role == "dit"):
-                w.load()
-        self.platform.synchronize()
+    def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
+        """Module mode: the selected DiTs rest on the host (the encoders rest on the
+        device until the first DiT runs)."""
+        return weights.selected and weights.role == "dit"
 
     def _enable_delegated(self, pipeline: SupportsModelCpuOffload) -> None:
         kwargs: dict[str, Any] = {

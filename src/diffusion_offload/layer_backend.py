@@ -49,7 +49,7 @@ from .backend import OffloadBackendBase
 from .blocks import check_disjoint, discover_blocks
 from .config import DiffusionOffloadConfig
 from .discovery import Component
-from .hooks import HookHandle, SequentialOffloadHook, attach_hook
+from .hooks import SequentialOffloadHook, attach_hook
 from .platform import Platform, same_device
 from .residency import ComponentWeights, WeightTable
 from .transfer import Member, Mover, Transaction, fingerprints, payload_of
@@ -226,18 +226,12 @@ class BlockStreamer:
             torch.OutOfMemoryError: the device cannot hold the block (named).
         """
         comp = block.weights
-        mover = comp.mover
         start = time.perf_counter()
         txn = Transaction()
         try:
             with self.platform.use_stream(stream):
                 comp.sync(txn)
-                moved = 0
-                for slot in comp.slots:
-                    if slot.evictable:
-                        moved += mover.load(slot, txn)
-                    elif not slot.on_device(self.device):
-                        moved += mover.place(slot, txn)
+                moved, _ = comp.load_slots(txn)
                 event = None
                 if stream is not None:
                     event = self.platform.new_event()
@@ -632,20 +626,9 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         self.streamer = streamer
         self._enabled = True
 
-    def _establish(self, weights: dict[str, ComponentWeights], txn: Transaction) -> None:
-        """Streamed blocks on the host, everything else on the device (evict before load)."""
-        device = self.device
-        unique = {id(s): s for w in weights.values() for s in w.slots if s.evictable}
-        original = [(slot, slot.on_device(device)) for slot in unique.values()]
-        txn.on_rollback(lambda: self._restore(original))
-        for w in weights.values():
-            if w.selected:
-                w.resident = True
-                w.evict()
-        for w in weights.values():
-            if not w.selected:
-                w.load()
-        self.platform.synchronize()
+    def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
+        """Layer mode: the streamed blocks rest on the host, everything else on the device."""
+        return weights.selected
 
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"

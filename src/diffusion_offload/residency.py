@@ -215,6 +215,25 @@ class ComponentWeights:
         self.synced = generation
         txn.on_rollback(lambda: setattr(self, "synced", previous))
 
+    def load_slots(self, txn: Transaction) -> tuple[int, list[Any]]:
+        """Copy every slot not on the device there (on the current stream), within ``txn``.
+
+        Returns:
+            ``(H2D bytes, members loaded from host copies)``.
+        """
+        mover = self.mover
+        moved = 0
+        loaded: list[Any] = []
+        for slot in self.slots:
+            if slot.evictable:
+                n = mover.load(slot, txn)
+                if n:
+                    loaded.extend(slot.members)
+                moved += n
+            elif not slot.on_device(mover.device):
+                moved += mover.place(slot, txn)
+        return moved, loaded
+
     def load(self) -> int:
         """Make every tensor of the component device-resident; return the H2D bytes.
 
@@ -228,18 +247,9 @@ class ComponentWeights:
         start = time.perf_counter()
         mover = self.mover
         txn = Transaction()
-        moved = 0
         try:
             self.sync(txn)
-            loaded = []
-            for slot in self.slots:
-                if slot.evictable:
-                    n = mover.load(slot, txn)
-                    if n:
-                        loaded.extend(slot.members)
-                    moved += n
-                elif not slot.on_device(mover.device):
-                    moved += mover.place(slot, txn)
+            moved, loaded = self.load_slots(txn)
             if moved:
                 mover.platform.synchronize()
             mover.record(loaded)
@@ -275,19 +285,10 @@ class ComponentWeights:
         mover = self.mover
         platform = mover.platform
         txn = Transaction()
-        moved = 0
         try:
             with platform.use_stream(stream):
                 self.sync(txn)
-                loaded = []
-                for slot in self.slots:
-                    if slot.evictable:
-                        n = mover.load(slot, txn)
-                        if n:
-                            loaded.extend(slot.members)
-                        moved += n
-                    elif not slot.on_device(mover.device):
-                        moved += mover.place(slot, txn)
+                moved, loaded = self.load_slots(txn)
                 with torch.inference_mode(False), torch.no_grad():
                     fps = fingerprints([m.payload for m in loaded]) if loaded else None
                 event = platform.new_event()
