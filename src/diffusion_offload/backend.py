@@ -14,7 +14,7 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -312,6 +312,39 @@ class OffloadBackendBase:
         """Refuse a selection the pipeline cannot honour, before anything moves."""
         raise NotImplementedError
 
+    def _transact_enable(
+        self,
+        table: WeightTable,
+        named: dict[str, list[tuple[str, torch.Tensor]]],
+        selected: dict[str, bool],
+        install: Callable[[dict[str, ComponentWeights], list[Any]], None],
+    ) -> None:
+        """The transaction every mode's ``enable`` runs: check the tensors and the host
+        memory, adopt the tensors, put each on its resting side, ``install`` the hooks
+        (appending each installed handle to the list it gets); on any exception remove
+        those handles and roll every move back."""
+        table.check_tensors(named)
+        self._check_host_memory(named, selected)
+        weights = table.components
+        txn = Transaction()
+        handles: list[Any] = []
+        try:
+            table.adopt(named, txn)
+            for w in weights.values():
+                w._register_modules()
+            self._establish(weights, txn)
+            install(weights, handles)
+        except BaseException:
+            for handle in reversed(handles):
+                handle.remove()
+            txn.rollback()
+            raise
+        txn.commit()
+        self.components = weights
+        self._table = table
+        self._handles = handles
+        self._enabled = True
+
     def _enable_delegated(self, pipeline: SupportsModelCpuOffload) -> None:
         raise ValueError(
             f"{type(pipeline).__name__} manages its own offload (SupportsModelCpuOffload), "
@@ -427,16 +460,8 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         table = WeightTable(self.mover)
         for comp in components:
             table.add(comp.name, comp.role, selected[comp.name], comp.module)
-        table.check_tensors(named)
-        self._check_host_memory(named, selected)
-        weights = table.components
-        txn = Transaction()
-        handles: list[HookHandle] = []
-        try:
-            table.adopt(named, txn)
-            for w in weights.values():
-                w._register_modules()
-            self._establish(weights, txn)
+
+        def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
             policy = MemoryPolicy(None, self.platform, weights)
             policy.budget = resolve_budget(
                 self.device_memory_budget, self.platform, policy.resident_bytes()
@@ -456,17 +481,9 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
                 handles.append(
                     attach_hook(comp.module, hook, comp.name, child_hooks=selected[comp.name])
                 )
-        except BaseException:
-            for handle in reversed(handles):
-                handle.remove()
-            txn.rollback()
-            raise
-        txn.commit()
-        self.components = weights
-        self._table = table
-        self._handles = handles
-        self.policy = policy
-        self._enabled = True
+            self.policy = policy
+
+        self._transact_enable(table, named, selected, install)
 
     def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
         """Module mode: the selected DiTs rest on the host (the encoders rest on the

@@ -587,17 +587,9 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
                 named[key] = w.named_tensors()
                 selected[key] = True
                 block_weights.setdefault(comp.name, []).append((bname, bmod, w))
-        table.check_tensors(named)
-        self._check_host_memory(named, selected)
         streamer = BlockStreamer(self.platform, self.mover, self.lock, self.prefetch)
-        weights = table.components
-        txn = Transaction()
-        handles: list[Any] = []
-        try:
-            table.adopt(named, txn)
-            for w in weights.values():
-                w._register_modules()
-            self._establish(weights, txn)
+
+        def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
             for comp in components:
                 hook = None
                 if comp.role in _STAGE_ROLES:
@@ -608,23 +600,15 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
                 streamer.sequences[cname] = seq
                 for block, (_, bmod, _) in zip(seq, entries):
                     h = _BlockHooks(bmod, block, streamer)
+                    handles.append(h)  # first: a partly installed handle is removed too
                     h.install()
-                    handles.append(h)
                 module = next(c.module for c in components if c.name == cname)
                 begin = _BeginHook(module, cname, streamer)
-                begin.install()
                 handles.append(begin)
-        except BaseException:
-            for handle in reversed(handles):
-                handle.remove()
-            txn.rollback()
-            raise
-        txn.commit()
-        self.components = weights
-        self._table = table
-        self._handles = handles
-        self.streamer = streamer
-        self._enabled = True
+                begin.install()
+            self.streamer = streamer
+
+        self._transact_enable(table, named, selected, install)
 
     def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
         """Layer mode: the streamed blocks rest on the host, everything else on the device."""
