@@ -456,3 +456,70 @@ def test_a_block_written_while_resident_is_written_back(fake_device):
         assert backend.stats.d2h_bytes == block.fc1.weight.numel() * 4
         assert backend.audit() == []
     assert _races() == 0
+
+
+def test_interrupt_during_block_moves_leaves_every_tensor_in_place(fake_device, monkeypatch):
+    """Ctrl-C after the k-th tensor move of layer mode's enable, or of a forward (block
+    loads and releases): every tensor is where the invariant says, nothing allocated is
+    left behind, and the next forward equals the reference."""
+    from diffusion_offload import transfer as transfer_mod
+
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(2))
+    ref = _synthetic_reference(fake_device, x, num_blocks=3)
+    real = transfer_mod._rebind
+
+    def inject_after(k):
+        count = [0]
+
+        def rebind(obj, payload):
+            real(obj, payload)
+            count[0] += 1
+            if count[0] == k:
+                raise KeyboardInterrupt(f"injected after move {k}")
+
+        monkeypatch.setattr(transfer_mod, "_rebind", rebind)
+        return count
+
+    # the number of moves of an enable that starts with the model on the device
+    probe = OneDiT(num_blocks=3).to(fake_device)
+    count = inject_after(10**9)
+    LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device).enable(probe)
+    monkeypatch.setattr(transfer_mod, "_rebind", real)
+    enable_moves = count[0]
+    assert enable_moves >= 10
+    del probe
+    for phase, ks in (("enable", range(1, enable_moves + 1, 5)), ("forward", (1, 7, 31))):
+        for k in ks:
+            gc.collect()
+            pipe = OneDiT(num_blocks=3)
+            if phase == "enable":
+                pipe.to(fake_device)
+            gc.collect()
+            base = fa.stats()["allocated_bytes"]
+            backend = LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device)
+            if phase == "forward":
+                backend.enable(pipe)
+            count = inject_after(k)
+            try:
+                if phase == "enable":
+                    backend.enable(pipe)
+                with torch.no_grad():
+                    pipe(x.to(fake_device))
+            except KeyboardInterrupt:
+                pass
+            monkeypatch.setattr(transfer_mod, "_rebind", real)
+            assert count[0] >= k  # the interrupt fired
+            fa.synchronize()
+            if phase == "enable":
+                assert not backend.is_enabled()
+                # rolled back: every tensor on the device again, nothing else allocated
+                assert all(t.device == fake_device for t in pipe.state_dict().values())
+                assert fa.stats()["allocated_bytes"] == base
+                backend.enable(pipe)
+            assert backend.audit() == [], (phase, k, count[0])
+            with torch.no_grad():
+                assert torch.equal(pipe(x.to(fake_device)).cpu(), ref), (phase, k)
+            assert backend.audit() == []
+            backend.disable()
+            del pipe, backend
+    assert _races() == 0
