@@ -96,6 +96,10 @@ class BlockStreamer:
         prefetch: copy the next block ahead of use (on the copy stream where the
             platform has streams). False: every block loads when it runs (for
             measurements; results are the same).
+        check_writes: compare each released block with its host copy (8 bytes read
+            back) and write changed weights back. False trusts that nothing writes the
+            weights while they are on the device (pure inference): no read-back, no
+            host wait per block, and a write to a streamed weight is lost.
 
     Attributes:
         sequences: component name -> its streamed blocks in execution order.
@@ -109,8 +113,11 @@ class BlockStreamer:
             the previous request.
     """
 
-    def __init__(self, platform: Platform, mover: Mover, lock: Any, prefetch: bool = True) -> None:
+    def __init__(
+        self, platform: Platform, mover: Mover, lock: Any, prefetch: bool = True, check_writes: bool = True
+    ) -> None:
         self.platform = platform
+        self.check_writes = check_writes
         self.stats = mover.stats
         self.device = platform.device
         self.lock = lock
@@ -281,7 +288,7 @@ class BlockStreamer:
         """Per member, whether its device bytes differ from its host copy (fingerprints:
         8 bytes read back, plus 8 per member when something differs), and the host
         references to keep once the changed members are written back (None: unchanged)."""
-        if unchanged or not members:
+        if unchanged or not members or not self.check_writes:
             return [False] * len(members), None
         stats = self.stats
         if block.ref is None or [id(m) for m in members] != [id(m) for m in block.members]:
@@ -423,6 +430,10 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             (``{"transformer": ["blocks"]}``).
         prefetch: copy block i+1 while block i runs (default). False loads each block
             when it runs: the same results, for measuring what prefetch saves.
+        check_writes: detect weights written while on the device and write them back
+            (default; costs an 8-byte read-back, and so a host wait, per block release).
+            False: for pure inference, device->host traffic is exactly the pipeline's
+            own, and a write to a streamed weight while it is on the device is lost.
         component_roles, max_pinned_bytes: as ``ModelLevelOffloadBackend``.
 
     Peak device memory: trunks of the selected components + resident layers + the two
@@ -443,6 +454,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         *,
         layer_blocks: Mapping[str, Sequence[str]] | None = None,
         prefetch: bool = True,
+        check_writes: bool = True,
         component_roles: Mapping[str, str] | None = None,
         max_pinned_bytes: int | None = None,
     ) -> None:
@@ -473,6 +485,9 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
                     )
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
+        if not isinstance(check_writes, bool):
+            raise TypeError(f"check_writes must be a bool, got {check_writes!r}")
+        self.check_writes = check_writes
         self.layer_blocks = {k: list(v) for k, v in (layer_blocks or {}).items()}
         self.prefetch = prefetch
         self.streamer: BlockStreamer | None = None
@@ -587,7 +602,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
                 named[key] = w.named_tensors()
                 selected[key] = True
                 block_weights.setdefault(comp.name, []).append((bname, bmod, w))
-        streamer = BlockStreamer(self.platform, self.mover, self.lock, self.prefetch)
+        streamer = BlockStreamer(self.platform, self.mover, self.lock, self.prefetch, self.check_writes)
 
         def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
             for comp in components:
