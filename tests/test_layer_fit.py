@@ -91,3 +91,25 @@ def test_wan22_a14b_fits_a_24_gib_card_in_layer_mode_only(tmp_path):
     assert need.device_bytes < 8 * GIB
     with pytest.raises(FitError, match="try --diffusion-offload-config"):
         check_fit(info, MODULE, 2, 24 * GIB, True)
+
+
+def test_omni_runs_layer_mode_and_matches_the_resident_engine(tmp_path, fake_device):
+    import numpy as np
+
+    from diffusion_offload import Omni, SamplingParams
+
+    path = tiny_pipelines.save("wan2.1", tmp_path / "wan21", num_layers=8)
+    params = SamplingParams(seed=3, height=32, width=32, num_frames=5, num_inference_steps=1)
+    with Omni(str(path), None, device="fakegpu", progress=False) as resident:
+        (ref,) = resident.generate("a cat on a mat", params)
+    with Omni(str(path), LAYER.to_dict(), device="fakegpu", progress=False) as engine:
+        assert isinstance(engine.backend, LayerwiseOffloadBackend)
+        (out,) = engine.generate("a cat on a mat", params)
+        assert engine.backend.audit() == []
+    pixels = [np.stack([np.asarray(f) for f in video]) for video in out.frames]
+    want = [np.stack([np.asarray(f) for f in video]) for video in ref.frames]
+    assert len(pixels) == len(want) == 1
+    np.testing.assert_array_equal(pixels[0], want[0])
+    assert out.offload_stats["h2d_bytes"] > 0 and out.offload_stats["d2h_bytes"] == 0
+    assert out.offload_stats["prefetches"] > 0
+    assert 0 < out.peak_device_memory_bytes < ref.peak_device_memory_bytes
