@@ -17,7 +17,7 @@ from pathlib import Path
 import diffusers
 
 __all__ = [
-    "ModelError", "ModelInfo", "inspect_model", "resolve_model",
+    "ModelError", "ModelInfo", "folder_or_hub_id", "inspect_model", "resolve_model",
     "safetensors_numels", "safetensors_tensors", "weight_files",
 ]
 
@@ -72,12 +72,11 @@ class ModelInfo:
         return max(counts, key=counts.get) if counts else None
 
 
-def resolve_model(model: str | os.PathLike) -> Path:
-    """Return the pipeline directory for a local path or a hub id.
+def folder_or_hub_id(model: str | os.PathLike) -> Path | str:
+    """``model`` as an existing folder (a ``Path``) or a well-formed hub id (``"org/name"``).
 
     Raises:
-        ModelError: not a directory and not resolvable as a hub id (offline and not in
-            the local cache, or unknown).
+        ModelError: ``model`` is a file, or neither a folder nor of the form ``org/name``.
     """
     path = Path(model).expanduser()
     if path.is_dir():
@@ -89,6 +88,20 @@ def resolve_model(model: str | os.PathLike) -> Path:
         raise ModelError(
             f"model {text!r} is not an existing directory nor a hub id of the form 'org/name'"
         )
+    return text
+
+
+def resolve_model(model: str | os.PathLike) -> Path:
+    """Return the pipeline directory for a local path or a hub id.
+
+    Raises:
+        ModelError: not a directory and not resolvable as a hub id (offline and not in
+            the local cache, or unknown).
+    """
+    found = folder_or_hub_id(model)
+    if isinstance(found, Path):
+        return found
+    text = found
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_OFFLINE
 

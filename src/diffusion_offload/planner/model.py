@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..discovery import diffusers_role
-from ..engine.model_files import ModelError, weight_files
+from ..engine.model_files import ModelError, folder_or_hub_id, weight_files
 
 __all__ = ["ComponentSize", "PlanModel", "configs_root", "load_plan_model", "shipped_models"]
 
@@ -132,16 +132,10 @@ def _locate(model: str | os.PathLike) -> tuple[Path, bool]:
     Raises:
         ModelError: not a folder, not in the local Hugging Face cache and not shipped.
     """
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path, False
-    text = str(model)
-    if path.exists():
-        raise ModelError(f"model {text!r} is a file, not a diffusers pipeline directory")
-    if text.count("/") != 1 or text.startswith((".", "/", "~")):
-        raise ModelError(
-            f"model {text!r} is not an existing directory nor a hub id of the form 'org/name'"
-        )
+    found = folder_or_hub_id(model)
+    if isinstance(found, Path):
+        return found, False
+    text = found
     try:
         from huggingface_hub import snapshot_download
 
