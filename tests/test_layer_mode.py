@@ -153,10 +153,6 @@ def test_layer_mode_equals_all_resident_within_the_bound(kind, resident_results,
     del pipe, backend
     gc.collect()
     assert fa.stats()["allocated_bytes"] == base
-    _BOUNDS[kind] = nonblock + two
-
-
-_BOUNDS: dict[str, int] = {}
 
 
 @pytest.mark.parametrize("kind", tiny_pipelines.KINDS)
@@ -165,17 +161,20 @@ def test_at_the_bound_only_layer_mode_runs(kind, resident_results, fake_device):
     mode runs, all-resident and module mode run out of memory. The runs stop at the
     latents: the tiny VAE's decode activations dwarf the tiny weights and would hide the
     difference (module mode evicts everything before decoding)."""
-    if kind not in _BOUNDS:
-        pytest.skip("needs test_layer_mode_equals_all_resident_within_the_bound first")
     gc.collect()
     base = fa.stats()["allocated_bytes"]
-    bound = _BOUNDS[kind] + resident_results[kind]["activations_without_decode"]
+    pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
+    with LayerwiseOffloadBackend(LAYER, fake_device) as backend:
+        backend.enable(pipe)
+        nonblock, two = _bound_parts(backend)
+        bound = nonblock + two + resident_results[kind]["activations_without_decode"]
+        fa.set_capacity(base + bound)
+        try:
+            _run(pipe, kind, latent=True)
+        finally:
+            fa.set_capacity(None)
     fa.set_capacity(base + bound)
     try:
-        pipe = tiny_pipelines.build(kind, num_layers=BLOCKS)
-        with LayerwiseOffloadBackend(LAYER, fake_device) as backend:
-            backend.enable(pipe)
-            _run(pipe, kind, latent=True)
         _clear_method_caches(pipe)
         del pipe, backend
         gc.collect()

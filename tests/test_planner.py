@@ -16,7 +16,6 @@ from diffusion_offload.planner.model import configs_root, load_plan_model, shipp
 from diffusion_offload.planner.plan import (
     fastest_fitting,
     format_plan,
-    layer_mode_available,
     plan_model,
     resolve_request,
 )
@@ -98,8 +97,8 @@ def test_plan_of_each_shipped_config_is_fast_and_offline(hub_id, monkeypatch):
     for row in rows:
         assert row.resting_bytes <= row.peak_bytes
         assert row.transfer_seconds == pytest.approx(row.h2d_bytes_per_request / 25e9)
-    if layer_mode_available():
-        assert any(n.startswith("layer") for n in names)
+    assert any(n.startswith("layer") for n in names)
+    assert any(n.endswith("budget") for n in names)
 
 
 def test_wan22_720p_numbers(shipped):

@@ -132,15 +132,6 @@ def _module_candidates(pm: PlanModel) -> list[_Candidate]:
     return out
 
 
-def budget_available() -> bool:
-    """Whether ``Omni`` takes ``device_memory_budget`` (the memory policy, SPEC section 11)."""
-    import inspect
-
-    from ..engine.omni import Omni
-
-    return "device_memory_budget" in inspect.signature(Omni.__init__).parameters
-
-
 def _budget_candidate(pm: PlanModel, report: StageReport, device_memory: int) -> _Candidate | None:
     """Module mode (DiTs and text encoders) with ``device_memory_budget`` = the device
     memory minus the largest activation peak of a segment, so that weights (which the
@@ -206,17 +197,6 @@ def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[
     full = min(budget, total)
     peak = max(full + act for _, act in report.segments) if report.segments else full
     return resting, peak, h2d
-
-
-def layer_mode_available() -> bool:
-    """Whether ``diffusion_offload.LayerwiseOffloadBackend`` can be imported."""
-    import diffusion_offload
-
-    try:
-        getattr(diffusion_offload, "LayerwiseOffloadBackend")
-    except (AttributeError, ImportError, NotImplementedError):
-        return False
-    return True
 
 
 def _layer_selection(pm: PlanModel) -> tuple[str, ...]:
@@ -364,13 +344,11 @@ def plan_model(
     everything = _Candidate("all resident", {"diffusion_offload_config": None}, "resident")
     rows = [_row(pm, report, everything, device_memory, h2d_bandwidth, device_kind)]
     candidates = _module_candidates(pm)
-    if budget_available():
-        budgeted = _budget_candidate(pm, report, device_memory)
-        candidates += [budgeted] if budgeted is not None else []
+    budgeted = _budget_candidate(pm, report, device_memory)
+    candidates += [budgeted] if budgeted is not None else []
     for cand in candidates:
         rows.append(_row(pm, report, cand, device_memory, h2d_bandwidth, device_kind))
-    if layer_mode_available():
-        rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind)
+    rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind)
     return rows
 
 
