@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..discovery import diffusers_role
-from ..engine.model_files import ModelError, folder_or_hub_id, weight_files
+from ..engine.model_files import ModelError, folder_or_hub_id, safetensors_tensors, weight_files
 
 __all__ = ["ComponentSize", "PlanModel", "configs_root", "load_plan_model", "shipped_models"]
 
@@ -286,30 +286,13 @@ def _header_bytes(files: list[Path], dtype: torch.dtype, keep: tuple[str, ...] |
     Raises:
         ModelError: a truncated, corrupt or unreadable file (named).
     """
-    from safetensors import safe_open
-
     total = 0
-    for file in files:
-        try:
-            with safe_open(str(file), framework="numpy") as fh:
-                for key in fh.keys():
-                    piece = fh.get_slice(key)
-                    numel = 1
-                    for dim in piece.get_shape():
-                        numel *= int(dim)
-                    stored = str(piece.get_dtype())
-                    if stored in _SAFETENSORS_FLOATS:
-                        target = torch.float32 if _kept_fp32(key, keep) else dtype
-                        total += numel * torch.tensor([], dtype=target).element_size()
-                    else:
-                        total += numel * _SAFETENSORS_BYTES.get(stored, 1)
-        except OSError as exc:
-            raise ModelError(f"weight file {str(file)!r} cannot be read: {exc.strerror or exc}") from None
-        except Exception as exc:  # SafetensorError: bad header or size mismatch
-            raise ModelError(
-                f"weight file {str(file)!r} cannot be read: truncated or corrupt "
-                f"({' '.join(str(exc).split())[:200] or type(exc).__name__}); download the model again"
-            ) from None
+    for key, (stored, numel) in safetensors_tensors(files).items():
+        if stored in _SAFETENSORS_FLOATS:
+            target = torch.float32 if _kept_fp32(key, keep) else dtype
+            total += numel * torch.tensor([], dtype=target).element_size()
+        else:
+            total += numel * _SAFETENSORS_BYTES.get(stored, 1)
     return total
 
 
