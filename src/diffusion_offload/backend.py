@@ -269,6 +269,38 @@ class OffloadBackendBase:
                 stacklevel=4,
             )
 
+    def _placement_breaches(self) -> list[str]:
+        """Per tensor of every component: managed, and on the side its slot and its
+        component's ``resident`` flag say (the per-tensor part of ``audit``, both modes).
+
+        A tensor that is not managed is reported unless a pending structural change
+        explains it and it holds no device memory of an evicted component. Call with the
+        lock held, while enabled.
+        """
+        out: list[str] = []
+        table = self._table
+        assert table is not None
+        for comp in self.components.values():
+            pending = comp.generation != comp.synced
+            for tname, t in comp.named_tensors():
+                slot = table.slot_of(t)
+                where = payload_of(t).device
+                on_dev = same_device(where, self.device)
+                if slot is None or comp.name not in slot.owners:
+                    # a pending change is adopted at the next activation, but a new
+                    # tensor of an evicted component must not hold device memory
+                    if not pending or (on_dev and comp.selected and not comp.resident):
+                        out.append(f"{comp.name}: tensor {tname!r} is not managed by the backend (on {where})")
+                    continue
+                want_dev = (not slot.evictable) or comp.resident
+                if on_dev != want_dev:
+                    out.append(
+                        f"{comp.name}: tensor {tname!r} is on {where} but should be on "
+                        f"{'the device' if want_dev else 'the host'} "
+                        f"(resident={comp.resident}, evictable={slot.evictable})"
+                    )
+        return out
+
     def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
         """Whether ``weights`` rest on the host after ``enable`` (per mode)."""
         raise NotImplementedError
@@ -410,33 +442,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         with self.lock:
             if not self._enabled or self._table is None:
                 return []
-            out: list[str] = []
-            device = self.device
-            table = self._table
-            for comp in self.components.values():
-                module = comp.module_ref()
-                if module is None:
-                    continue
-                pending = comp.generation != comp.synced
-                for tname, t in named_tensors(module):
-                    slot = table.slot_of(t)
-                    on_dev = same_device(payload_of(t).device, device)
-                    if slot is None or comp.name not in slot.owners:
-                        # a pending change is adopted at the next activation, but a new
-                        # tensor of an evicted component must not hold device memory
-                        if not pending or (on_dev and comp.selected and not comp.resident):
-                            out.append(
-                                f"{comp.name}: tensor {tname!r} is not managed by the backend "
-                                f"(on {payload_of(t).device})"
-                            )
-                        continue
-                    want_dev = (not slot.evictable) or comp.resident
-                    if on_dev != want_dev:
-                        out.append(
-                            f"{comp.name}: tensor {tname!r} is on {payload_of(t).device} but "
-                            f"should be on {'the device' if want_dev else 'the host'} "
-                            f"(resident={comp.resident}, evictable={slot.evictable})"
-                        )
+            out = self._placement_breaches()
             groups: dict[str, list[str]] = {}
             if self.policy is not None and not self.policy.strict:
                 budget = self.policy.budget

@@ -50,9 +50,9 @@ from .blocks import check_disjoint, discover_blocks
 from .config import DiffusionOffloadConfig
 from .discovery import Component
 from .hooks import SequentialOffloadHook, attach_hook
-from .platform import Platform, same_device
+from .platform import Platform
 from .residency import ComponentWeights, WeightTable
-from .transfer import Member, Mover, Transaction, fingerprints, payload_of
+from .transfer import Member, Mover, Transaction, fingerprints
 
 __all__ = ["BlockStreamer", "LayerwiseOffloadBackend"]
 
@@ -531,23 +531,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         with self.lock:
             if not self._enabled or self._table is None or self.streamer is None:
                 return []
-            out: list[str] = []
-            table = self._table
-            for comp in self.components.values():
-                for tname, t in comp.named_tensors():
-                    slot = table.slot_of(t)
-                    where = payload_of(t).device
-                    on_dev = same_device(where, self.device)
-                    if slot is None or comp.name not in slot.owners:
-                        if comp.generation == comp.synced:
-                            out.append(f"{comp.name}: tensor {tname!r} is not managed (on {where})")
-                        continue
-                    want = (not slot.evictable) or comp.resident
-                    if on_dev != want:
-                        out.append(
-                            f"{comp.name}: tensor {tname!r} is on {where} but should be on "
-                            f"{'the device' if want else 'the host'}"
-                        )
+            out = self._placement_breaches()
             on_device = [
                 f"{b.component}.{b.name}"
                 for seq in self.streamer.sequences.values()
