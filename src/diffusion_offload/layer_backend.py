@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from .blocks import check_disjoint, discover_blocks
 from .config import DiffusionOffloadConfig
 from .discovery import Component
 from .hooks import SequentialOffloadHook, attach_hook
-from .platform import Platform
+from .platform import Platform, same_device
 from .residency import ComponentWeights, WeightTable
 from .transfer import Member, Mover, Transaction, fingerprints
 
@@ -86,31 +86,62 @@ class _Block:
         return f"_Block({self.component}.{self.name}, {'device' if self.on_device else 'host'})"
 
 
+#: a call of a stage module: (component name, its run length: 1 for the first of
+#: consecutive calls of the same component, 2 for the next...)
+CallKey = tuple[str, int]
+
+#: successors remembered at most (a pipeline's stage sequence is short; a model called
+#: forever without another stage would otherwise add one key per call)
+_MAX_SUCCESSORS = 4096
+
+
 class BlockStreamer:
-    """Moves streamed blocks for one backend: at most two on the device, prefetch ahead.
+    """Moves streamed blocks for one backend: the blocks that run, loaded ahead of use.
 
     Args:
         platform: the device's platform (streams, events).
         mover: the backend's mover (its ``stats`` count prefetches and fallbacks).
         lock: the backend's lock (activations from several threads are serialized).
         prefetch: copy the next block ahead of use (on the copy stream where the
-            platform has streams). False: every block loads when it runs (for
-            measurements; results are the same).
+            platform has streams). False: every block loads synchronously just before it
+            is needed, and a component's first block before its forward starts, so
+            results and what the model sees (``param.device``) are the same.
         check_writes: compare each released block with its host copy (8 bytes read
             back) and write changed weights back. False trusts that nothing writes the
             weights while they are on the device (pure inference): no read-back, no
             host wait per block, and a write to a streamed weight is lost.
 
+    The schedule is learned from the calls observed, never assumed:
+
+    * within a call, the next block is the one that followed this block in the
+      component's previous call (``order``); until a call was observed, or where the
+      call departs from it, the container's order stands in;
+    * after a call's last block, the next call is predicted from ``successor`` (the call
+      that followed this one, keyed by run length, so "the text encoder twice, then each
+      DiT 2 x steps times" is exact from the second request on); its first block is
+      prefetched during the last block. A request boundary (the successor is the first
+      call ever observed) is never crossed from a block: a non-streamed stage in
+      between (the VAE's decode) prefetches the next request's first block instead, or
+      the first call loads it when it starts;
+    * a block that did not run in the previous call is never prefetched, and a block that
+      runs twice in a row stays on the device between its runs.
+
+    Invariants (``LayerwiseOffloadBackend.audit`` checks them): outside any forward at
+    most one streamed block is on the device, the carried prefetch, and its copy is
+    ordered before any later work on the stream that ran the call (``stream.wait_event``,
+    no host wait), with its memory recorded on that stream (``record_stream``); during a
+    forward at most the running blocks (nested calls: several) and one prefetch.
+    Every load and release is all-or-nothing; the streamer's own state changes only after
+    a move succeeded, so an interrupted move leaves no block unaccounted for.
+
     Attributes:
-        sequences: component name -> its streamed blocks in execution order.
-        running: the block whose forward is running, or None.
+        sequences: component name -> its streamed blocks in container order.
+        order: component name -> the blocks its last completed call ran, in order.
+        stack: ``(block, position in its call)`` of every block whose forward is running.
         prefetched: the block being (or already) copied ahead of use, or None.
-        successor: ``(component, n)`` -> the component whose forward followed the n-th
-            consecutive forward of ``component``, as last observed: the prediction for the
-            prefetch after a component's last block. Keyed by the run length, so "the
-            text encoder runs twice (prompt, negative prompt), then the DiT 2 x steps times
-            (guidance), then the next request's text encoder" is predicted exactly from
-            the previous request.
+        successor: call key -> the call key that followed it, as last observed.
+        cycle_start: the first call observed (a request's start).
+        retries: forwards retried after a device out-of-memory error.
     """
 
     def __init__(
@@ -124,51 +155,201 @@ class BlockStreamer:
         self.prefetch = prefetch
         self.copy_stream = platform.new_stream()
         self.sequences: dict[str, list[_Block]] = {}
-        self.running: _Block | None = None
+        self.order: dict[str, list[_Block]] = {}
+        self.stack: list[tuple[_Block, int]] = []
         self.prefetched: _Block | None = None
-        self.successor: dict[tuple[str, int], str] = {}
-        self._call: tuple[str, int] | None = None  # the forward running now, and its run length
+        self.successor: dict[CallKey, CallKey] = {}
+        self.cycle_start: CallKey | None = None
+        self.retries = 0
+        self._call: CallKey | None = None  # the call running now, or the last one
+        self._trace: dict[str, list[_Block]] = {}  # blocks run so far by each running call
+        self._synchronous = 0  # > 0 during an out-of-memory retry: no prefetch
+        self._last_block: _Block | None = None  # the block loaded or begun last (OOM messages)
         self.max_on_device = 0  # high-water mark of streamed blocks on the device
 
-    # -- events of a forward ------------------------------------------------------------
+    # -- queries ------------------------------------------------------------------------
 
-    def begin(self, component: str) -> None:
-        """A selected component's forward starts: learn the order, prefetch its first block."""
+    @property
+    def running(self) -> _Block | None:
+        """The innermost block whose forward is running, or None."""
+        return self.stack[-1][0] if self.stack else None
+
+    def on_device(self) -> list[_Block]:
+        """Every streamed block whose device copy exists now."""
+        return [b for seq in self.sequences.values() for b in seq if b.on_device]
+
+    @property
+    def _prefetching(self) -> bool:
+        return self.prefetch and not self._synchronous
+
+    # -- a stage module's call (``_StageEntry``) ----------------------------------------
+
+    def call(self, component: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (the forward/decode of stage ``component``) under the streamer.
+
+        Before: learn the order of calls and make the call's first block resident or
+        prefetched (a non-streamed stage prefetches the next streamed call's first
+        block). After, also when ``fn`` raised: release any block left on the device but
+        the carried prefetch, and order the current stream after that prefetch's copy.
+        A device out-of-memory error drops the prefetch, empties the cache and runs
+        ``fn`` once more without prefetch.
+
+        Raises:
+            StageOutOfMemoryError: the retry ran out of device memory too (names the
+                stage, the block and its bytes).
+            BaseException: whatever ``fn`` raised otherwise.
+        """
+        try:
+            try:
+                self._enter(component)
+                out = fn()
+            except torch.OutOfMemoryError as first:
+                self._recover(component, first)
+                self._synchronous += 1
+                try:
+                    self._enter(component, retry=True)
+                    out = fn()
+                except torch.OutOfMemoryError as exc:
+                    raise self._stage_oom(component, exc) from exc
+                finally:
+                    self._synchronous -= 1
+        except BaseException:
+            self._exit(component, completed=False)
+            raise
+        self._exit(component, completed=True)
+        return out
+
+    def _key(self, component: str) -> CallKey:
+        previous = self._call
+        run = previous[1] + 1 if previous is not None and previous[0] == component else 1
+        return (component, run)
+
+    def _enter(self, component: str, retry: bool = False) -> None:
         with self.lock:
-            previous = self._call
-            if previous is not None:
-                self.successor[previous] = component
-            run = previous[1] + 1 if previous is not None and previous[0] == component else 1
-            self._call = (component, run)
-            seq = self.sequences.get(component)
-            if not seq or not self.prefetch:
+            if retry:
+                key = self._call if self._call is not None else (component, 1)
+            else:
+                key = self._key(component)
+                if self._call is not None and len(self.successor) < _MAX_SUCCESSORS:
+                    self.successor[self._call] = key
+                if self.cycle_start is None:
+                    self.cycle_start = key
+                self._call = key
+            if component in self.sequences:
+                self._trace[component] = []
+                self._drop_stack(component)
+                first = self._first(component)
+                self._sweep(keep=first)
+                if first is None or first.on_device:
+                    return
+                if self._prefetching:
+                    if self.prefetched is not None:
+                        self._drop_prefetch()
+                    self._prefetch(first)
+                else:  # resident before the forward body runs, as with prefetch
+                    self._load(first, None)
+                self._note_peak()
                 return
-            first = seq[0]
-            if first.on_device or self.running is not None:
+            nxt = self._after_stage(key)
+            if nxt is None or not self._prefetching:
                 return
-            if self.prefetched is not None:
-                self._drop_prefetch()
+            first = self._first(nxt[0])
+            if first is None or first is self.prefetched or first.on_device:
+                return
+            if self.stack:
+                return  # a stage called inside a streamed block: no room to plan for
+            self._drop_prefetch()
             self._prefetch(first)
+
+    def _exit(self, component: str, completed: bool) -> None:
+        with self.lock:
+            if component in self.sequences:
+                trace = self._trace.pop(component, None)
+                if completed and trace is not None:
+                    self.order[component] = trace
+                self._drop_stack(component)
+            if not self.stack:
+                self._sweep(keep=self.prefetched)
+            if self.prefetched is not None:
+                self._wait(self.prefetched)  # later work on this stream follows the copy
+
+    def _drop_stack(self, component: str) -> None:
+        """Forget running entries of ``component`` (a forward that raised
+        ``KeyboardInterrupt`` skips the blocks' post-hooks)."""
+        self.stack = [(b, i) for b, i in self.stack if b.component != component]
+
+    def _sweep(self, keep: _Block | None) -> None:
+        """Release every streamed block on the device that is neither running, nor
+        ``keep``, nor the prefetch. A release that fails leaves its block on the device
+        as the carried block when there is none (it is consistent: every tensor on one
+        side), else re-raises after the others were tried."""
+        running = {id(b) for b, _ in self.stack}
+        failure: BaseException | None = None
+        for block in self.on_device():
+            if id(block) in running or block is keep or block is self.prefetched:
+                continue
+            try:
+                self._release(block)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                if self.prefetched is None:
+                    self.prefetched = block
+                if failure is None:
+                    failure = exc
+        if failure is not None:
+            raise failure
+
+    def _recover(self, component: str, exc: BaseException) -> None:
+        """The first device OOM of a call: drop the prefetch and every block left on the
+        device, empty the cache."""
+        with self.lock:
+            self.retries += 1
+            self._drop_stack(component)
+            self._drop_prefetch()
+            self._sweep(keep=None)
+            self.platform.empty_cache()
+            logger.info("layer mode: %s ran out of device memory (%s); retrying without prefetch", component, exc)
+
+    def _stage_oom(self, component: str, exc: BaseException) -> Exception:
+        from .policy import StageOutOfMemoryError
+
+        block = self._last_block
+        where = (
+            f"at block {block.name!r} of {block.component!r} ({block.nbytes} bytes)"
+            if block is not None
+            else "before any streamed block"
+        )
+        stats = self.platform.memory_stats()
+        return StageOutOfMemoryError(
+            f"stage {component!r} ran out of device memory twice in layer mode, {where}: "
+            f"after the first error it dropped the prefetched block and emptied the cache, "
+            f"then ran out again with {stats.allocated_bytes} bytes allocated on the device; "
+            f"use a smaller shape, fewer resident_layers or more offload: {exc}"
+        )
+
+    # -- a block's forward (``_BlockHooks``) -------------------------------------------
 
     def before(self, block: _Block) -> None:
         """Block ``block`` is about to run: make it resident, then prefetch its successor."""
         with self.lock:
-            stale = self.running
-            if stale is not None and stale is not block and stale.on_device:
-                self._release(stale)  # its forward raised before the post-hook ran
-            nxt = self._next(block)
+            trace = self._trace.get(block.component)
+            if trace is None:  # a block called outside its component's forward
+                trace = self._trace[block.component] = []
+            pos = len(trace)
+            trace.append(block)
+            self._last_block = block
+            nxt = self._next(block, pos)
             if block is self.prefetched:
-                self.prefetched = None
                 self._wait(block)
+                self.prefetched = None
             elif not block.on_device:
                 if self.prefetched is not None and self.prefetched is not nxt:
                     self._drop_prefetch()
                 self._load(block, None)
-                if self.prefetch:  # without prefetch every load is on demand, by design
+                if self._prefetching:  # without prefetch every load is on demand, by design
                     self.stats.fallback_loads += 1
-            self.running = block
+            self.stack.append((block, pos))
             if (
-                self.prefetch
+                self._prefetching
                 and nxt is not None
                 and nxt is not block
                 and not nxt.on_device
@@ -178,40 +359,96 @@ class BlockStreamer:
             self._note_peak()
 
     def after(self, block: _Block) -> None:
-        """Block ``block`` has run (or raised): release its device copies."""
+        """Block ``block`` has run (or raised): release its device copies, unless it runs
+        again next or is still running further out (a nested call)."""
         with self.lock:
-            if self.running is block:
-                self.running = None
-            if block.on_device and block is not self.prefetched:
-                self._release(block)
+            pos = None
+            for i in range(len(self.stack) - 1, -1, -1):
+                if self.stack[i][0] is block:
+                    pos = self.stack.pop(i)[1]
+                    break
+            if any(b is block for b, _ in self.stack) or not block.on_device or block is self.prefetched:
+                return
+            if pos is not None and self._next(block, pos) is block and self.prefetched is None:
+                self.prefetched = block  # it runs again at once: keep it
+                return
+            self._release(block)
 
     def quiesce(self) -> None:
-        """Order the current stream after any copy in flight (``disable``)."""
+        """Order the current stream after any copy in flight, and record the blocks'
+        device memory on it (``disable``: the tensors stay in the model)."""
         with self.lock:
-            for block in (self.prefetched, self.running):
-                if block is not None and block.on_device:
-                    self._wait(block)
+            for block in self.on_device():
+                self._wait(block)
 
-    # -- internals ------------------------------------------------------------------------
+    # -- the schedule -------------------------------------------------------------------
 
-    def _next(self, block: _Block) -> _Block | None:
+    def _first(self, component: str) -> _Block | None:
+        """The block a call of ``component`` runs first: as in its last call (None: it ran
+        no block), or its first block before any call was observed."""
+        order = self.order.get(component)
+        if order is not None:
+            return order[0] if order else None
+        seq = self.sequences.get(component)
+        return seq[0] if seq else None
+
+    def _next(self, block: _Block, pos: int) -> _Block | None:
+        """The block expected after ``block``, the ``pos``-th of its call."""
+        order = self.order.get(block.component)
+        if order is not None and pos < len(order) and order[pos] is block:
+            if pos + 1 < len(order):
+                return order[pos + 1]
+            return self._next_call(block.component)
         seq = self.sequences[block.component]
         if block.index + 1 < len(seq):
             return seq[block.index + 1]
-        call = self._call if self._call is not None and self._call[0] == block.component else None
-        nxt = self.successor.get(call, block.component) if call is not None else block.component
-        following = self.sequences.get(nxt)
-        return following[0] if following else None
+        return self._next_call(block.component)
+
+    def _next_call(self, component: str) -> _Block | None:
+        """The first block of the call expected after the current one of ``component``,
+        unless that call starts a request or is not streamed."""
+        key = self._call if self._call is not None and self._call[0] == component else (component, 1)
+        nxt = self.successor.get(key, (component, key[1] + 1))
+        if nxt == self.cycle_start or nxt[0] not in self.sequences:
+            return None
+        return self._first(nxt[0])
+
+    def _after_stage(self, key: CallKey) -> CallKey | None:
+        """The streamed call expected after non-streamed stage ``key``: follow the observed
+        successors (the first call observed when ``key``'s is unknown)."""
+        nxt = self.successor.get(key)
+        if nxt is None and key != self.cycle_start:
+            nxt = self.cycle_start
+        for _ in range(64):
+            if nxt is None or nxt[0] in self.sequences:
+                return nxt
+            nxt = self.successor.get(nxt)
+        return None
+
+    # -- moves --------------------------------------------------------------------------
 
     def _note_peak(self) -> None:
-        n = sum(1 for seq in self.sequences.values() for b in seq if b.on_device)
-        self.max_on_device = max(self.max_on_device, n)
+        self.max_on_device = max(self.max_on_device, len(self.on_device()))
 
     def _wait(self, block: _Block) -> None:
-        """The current stream waits on the block's load event (no host synchronize)."""
-        if block.event is not None:
-            self.platform.current_stream().wait_event(block.event)
-            block.event = None
+        """Hand the block's copy to the current stream: it waits on the load event (no host
+        synchronize) and its device memory is recorded on it, so whoever frees a tensor
+        later (our release, layerwise casting replacing it) cannot free it under
+        pending work."""
+        if block.event is None:
+            return
+        stream = self.platform.current_stream()
+        stream.wait_event(block.event)
+        block.event = None
+        self._record(block, stream)
+
+    def _record(self, block: _Block, stream: Any) -> None:
+        """``record_stream(stream)`` on every device payload of the block."""
+        for slot in block.weights.slots:
+            for m in slot.members:
+                p = m.payload
+                if same_device(p.device, self.device):
+                    p.record_stream(stream)
 
     def _prefetch(self, block: _Block) -> None:
         self._load(block, self.copy_stream)
@@ -219,13 +456,18 @@ class BlockStreamer:
         self.stats.prefetches += 1
 
     def _drop_prefetch(self) -> None:
-        block, self.prefetched = self.prefetched, None
-        if block is not None and block.on_device:
+        """Release the prefetched block (write-checked: it may have been written while it
+        waited); the streamer forgets it only once the release succeeded."""
+        block = self.prefetched
+        if block is None:
+            return
+        if block.on_device:
             self._wait(block)
-            self._release(block, unchanged=True)
+            self._release(block)
+        self.prefetched = None
 
     def _load(self, block: _Block, stream: Any) -> None:
-        """Queue the block's H2D copies and fingerprints on ``stream`` (None: current).
+        """Queue the block's H2D copies on ``stream`` (None: the current one).
 
         All or nothing: on failure every tensor is back on the host.
 
@@ -233,6 +475,7 @@ class BlockStreamer:
             torch.OutOfMemoryError: the device cannot hold the block (named).
         """
         comp = block.weights
+        self._last_block = block
         start = time.perf_counter()
         txn = Transaction()
         try:
@@ -306,21 +549,16 @@ class BlockStreamer:
             values = [int(x) for x in now.tolist()]
         return [v != r for v, r in zip(values, block.ref)], values
 
-    def _order_release(self) -> None:
-        """Order the copy stream after the compute queued so far (an event, no host wait):
-        memory freed now may be reused by the next prefetch only after that compute."""
-        if self.copy_stream is not None:
-            done = self.platform.new_event()
-            done.record(self.platform.current_stream())
-            self.copy_stream.wait_event(done)
-
     def _release(self, block: _Block, unchanged: bool = False) -> None:
-        """Write back what changed, then drop the block's device copies once the copy
-        stream is ordered after the compute that read them."""
+        """Write back what changed, then drop the block's device copies. A prefetched
+        block's memory was recorded on the stream that ran it (``_wait``), so the caching
+        allocator reuses it only after that compute. All or nothing: on failure the block
+        is still on the device, every tensor in place."""
         comp = block.weights
         mover = comp.mover
         start = time.perf_counter()
-        keep = {id(s) for b in (self.running, self.prefetched) if b is not None and b is not block for s in b.weights.slots}
+        others = [b for b, _ in self.stack] + [self.prefetched]
+        keep = {id(s) for b in others if b is not None and b is not block for s in b.weights.slots}
         slots = [
             s for s in comp.slots
             if s.evictable and id(s) not in keep and s.on_device(self.device)
@@ -330,7 +568,6 @@ class BlockStreamer:
             members = [m for s in slots for m in s.members]
             changed, new_ref = self._changed(block, slots, members, unchanged)
             mover.evict(slots, txn, changed)
-            self._order_release()
         except BaseException:
             txn.rollback()
             raise
@@ -384,33 +621,76 @@ class _BlockHooks:
         self.install()
 
 
-class _BeginHook:
-    """A forward pre-hook on a selected component's root: prefetch its first block."""
+class _StageEntry:
+    """Wraps a stage module's entry points (``forward``; a VAE's ``decode``/``encode``)
+    so that each outermost call runs through ``BlockStreamer.call``.
 
-    def __init__(self, module: nn.Module, component: str, streamer: BlockStreamer) -> None:
+    Installed after the module's ``HookHandle``, so it is outermost; removal restores
+    what it replaced when it is still outermost, else it becomes a pass-through.
+    """
+
+    def __init__(self, module: nn.Module, component: str, names: Sequence[str], streamer: BlockStreamer) -> None:
         self.module_ref = weakref.ref(module)
         self.component = component
+        self.names = list(names)
         self.streamer_ref = weakref.ref(streamer)
-        self._handle: Any = None
+        self.active = False
+        self.depth = 0  # calls of this module in progress (decode inside forward...)
+        self._saved: dict[str, Any] = {}
+        self._wrappers: dict[str, Callable[..., Any]] = {}
+
+    def _wrap(self, module: nn.Module, name: str) -> Callable[..., Any]:
+        previous = module.__dict__.get(name)
+        unbound = getattr(type(module), name)
+        module_ref, entry = self.module_ref, self
+
+        def stage_entry(*args: Any, **kwargs: Any) -> Any:
+            mod = module_ref()
+            if mod is None:
+                raise ReferenceError("the offloaded module was deleted")
+
+            def run() -> Any:
+                if previous is not None:
+                    return previous(*args, **kwargs)
+                return unbound(mod, *args, **kwargs)
+
+            streamer = entry.streamer_ref()
+            if not entry.active or entry.depth or streamer is None or torch.compiler.is_compiling():
+                return run()
+            entry.depth += 1
+            try:
+                return streamer.call(entry.component, run)
+            finally:
+                entry.depth -= 1
+
+        stage_entry.__wrapped__ = unbound  # type: ignore[attr-defined]
+        stage_entry.__doc__ = unbound.__doc__
+        stage_entry.__name__ = name
+        return stage_entry
 
     def install(self) -> None:
         module = self.module_ref()
         if module is None:
             return
-        component, streamer_ref = self.component, self.streamer_ref
-
-        @torch.compiler.disable
-        def begin(mod: nn.Module, args: tuple) -> None:
-            streamer = streamer_ref()
-            if streamer is not None:
-                streamer.begin(component)
-
-        self._handle = module.register_forward_pre_hook(begin, prepend=True)
+        for name in self.names:
+            self._saved[name] = module.__dict__.get(name)
+            self._wrappers[name] = self._wrap(module, name)
+            module.__dict__[name] = self._wrappers[name]
+        self.active = True
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.active = False
+        module = self.module_ref()
+        if module is not None:
+            for name, wrapper in self._wrappers.items():
+                if module.__dict__.get(name) is wrapper:
+                    previous = self._saved.get(name)
+                    if previous is not None:
+                        module.__dict__[name] = previous
+                    else:
+                        del module.__dict__[name]
+        self._saved.clear()
+        self._wrappers.clear()
 
     def reinstall(self) -> None:
         self.install()
@@ -511,7 +791,10 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
     def disable(self) -> None:
         """Remove every hook; tensors stay where they are (see ``OffloadBackendBase``).
 
-        A block copy still in flight is ordered before anything the caller runs next.
+        A block left on the device (the carried prefetch) stays in the model: its copy is
+        ordered before anything the caller queues next on the current stream, and its
+        device memory is recorded on that stream, so whoever frees it later frees it
+        safely.
         """
         with self.lock:
             if self.streamer is not None and self._enabled:
@@ -525,21 +808,23 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
 
         Checked: every tensor of a trunk, a resident layer or an unselected component is
         on the device; every tensor of a streamed block is on the side its block state
-        says; no tensor of a component is unmanaged; at most two streamed blocks are on
-        the device. O(tensors), for tests and debugging.
+        says; no tensor of a component is unmanaged; outside a forward, no streamed block
+        is on the device but the carried prefetch; during one, at most the running blocks
+        and one prefetch. O(tensors), for tests and debugging.
         """
         with self.lock:
             if not self._enabled or self._table is None or self.streamer is None:
                 return []
             out = self._placement_breaches()
-            on_device = [
-                f"{b.component}.{b.name}"
-                for seq in self.streamer.sequences.values()
-                for b in seq
-                if b.on_device
-            ]
-            if len(on_device) > 2:
-                out.append(f"more than two streamed blocks on the device: {on_device}")
+            streamer = self.streamer
+            allowed = {id(b) for b, _ in streamer.stack}
+            if streamer.prefetched is not None:
+                allowed.add(id(streamer.prefetched))
+            extra = [f"{b.component}.{b.name}" for b in streamer.on_device() if id(b) not in allowed]
+            if extra:
+                out.append(
+                    f"streamed blocks on the device that neither run nor are prefetched: {extra}"
+                )
             return out
 
     # ------------------------------------------------------------------ internals
@@ -589,22 +874,27 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         streamer = BlockStreamer(self.platform, self.mover, self.lock, self.prefetch, self.check_writes)
 
         def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
+            for cname, entries in block_weights.items():
+                streamer.sequences[cname] = [
+                    _Block(cname, i, bname, w) for i, (bname, _, w) in enumerate(entries)
+                ]
             for comp in components:
                 hook = None
                 if comp.role in _STAGE_ROLES:
                     hook = SequentialOffloadHook(weights[comp.name], (), (), self.lock)
                 handles.append(attach_hook(comp.module, hook, comp.name, child_hooks=False))
+                if comp.role in _STAGE_ROLES:
+                    names = ["forward"]
+                    if comp.role == "vae":
+                        names += [n for n in ("decode", "encode") if callable(getattr(type(comp.module), n, None))]
+                    entry = _StageEntry(comp.module, comp.name, names, streamer)
+                    handles.append(entry)  # first: a partly installed handle is removed too
+                    entry.install()
             for cname, entries in block_weights.items():
-                seq = [_Block(cname, i, bname, w) for i, (bname, _, w) in enumerate(entries)]
-                streamer.sequences[cname] = seq
-                for block, (_, bmod, _) in zip(seq, entries):
+                for block, (_, bmod, _) in zip(streamer.sequences[cname], entries):
                     h = _BlockHooks(bmod, block, streamer)
-                    handles.append(h)  # first: a partly installed handle is removed too
+                    handles.append(h)
                     h.install()
-                module = next(c.module for c in components if c.name == cname)
-                begin = _BeginHook(module, cname, streamer)
-                handles.append(begin)
-                begin.install()
             self.streamer = streamer
 
         self._transact_enable(table, named, selected, install)
