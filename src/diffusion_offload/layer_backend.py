@@ -200,10 +200,13 @@ class BlockStreamer:
             BaseException: whatever ``fn`` raised otherwise.
         """
         try:
+            first: str | None = None
             try:
                 self._enter(component)
                 out = fn()
-            except torch.OutOfMemoryError as first:
+            except torch.OutOfMemoryError as exc:
+                first = str(exc)  # leave the handler: its traceback holds the activations
+            if first is not None:
                 self._recover(component, first)
                 self._synchronous += 1
                 try:
@@ -268,10 +271,23 @@ class BlockStreamer:
                 if completed and trace is not None:
                     self.order[component] = trace
                 self._drop_stack(component)
+                if completed and not self.stack:
+                    self._repredict(component)
             if not self.stack:
                 self._sweep(keep=self.prefetched)
             if self.prefetched is not None:
                 self._wait(self.prefetched)  # later work on this stream follows the copy
+
+    def _repredict(self, component: str) -> None:
+        """At the end of a call, with what it ran known: a prefetch that guessed wrong (the
+        container's order, before any call was observed) is replaced by the next call's
+        first block, or dropped at a request boundary."""
+        nxt = self._next_call(component)
+        if self.prefetched is nxt:
+            return
+        self._drop_prefetch()
+        if nxt is not None and not nxt.on_device and self._prefetching:
+            self._prefetch(nxt)
 
     def _drop_stack(self, component: str) -> None:
         """Forget running entries of ``component`` (a forward that raised
@@ -298,7 +314,7 @@ class BlockStreamer:
         if failure is not None:
             raise failure
 
-    def _recover(self, component: str, exc: BaseException) -> None:
+    def _recover(self, component: str, exc: str) -> None:
         """The first device OOM of a call: drop the prefetch and every block left on the
         device, empty the cache."""
         with self.lock:
@@ -384,8 +400,11 @@ class BlockStreamer:
     # -- the schedule -------------------------------------------------------------------
 
     def _first(self, component: str) -> _Block | None:
-        """The block a call of ``component`` runs first: as in its last call (None: it ran
-        no block), or its first block before any call was observed."""
+        """The block a call of ``component`` runs first: as in its running or last call
+        (None: it ran no block), or its first block before any call was observed."""
+        trace = self._trace.get(component)
+        if trace:
+            return trace[0]
         order = self.order.get(component)
         if order is not None:
             return order[0] if order else None
