@@ -1,37 +1,44 @@
 """``LayerwiseOffloadBackend``: layer mode, block-streamed components (SPEC section 10).
 
 Each selected component (DiT, text encoder) keeps its *trunk* on the device (embeddings,
-norms, heads: everything outside its blocks) and streams its blocks: block i+1 is copied
-host->device on a dedicated copy stream while block i computes, so at most two streamed
-blocks sit on the device at any moment, across all components: the one that runs and the
-one being prefetched. Unselected components stay resident. There is no mutual exclusion
-between components: each streams its own blocks.
+norms, heads: everything outside its blocks) and streams its blocks: the next block is
+copied host->device on a dedicated copy stream while the current one computes, so during
+a forward at most the running block and one prefetched block sit on the device, across
+all components (a block that calls another streamed block keeps both while they run).
+Outside a forward at most one streamed block is on the device: the *carried prefetch*,
+the next call's first block. Unselected components stay resident. There is no mutual
+exclusion between components: each streams its own blocks.
 
 Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
 
-* a block's load (its H2D copies and the device fingerprints of its bytes) is queued on
-  the copy stream and followed by an event; before the block runs, the compute stream
-  waits on that event (never a device-wide synchronize);
-* when a block has run, the compute stream records an event, the copy stream waits on it,
-  and only then are the block's device copies dropped: the caching allocator may hand
-  that memory to the next prefetch, which the copy stream orders after the compute that
-  read it;
+* a block's load (its H2D copies) is queued on the copy stream and followed by an event;
+  before the block runs, the compute stream waits on that event (never a device-wide
+  synchronize) and the block's device tensors are recorded on the compute stream
+  (``record_stream``), so whoever drops them later (our release, diffusers' layerwise
+  casting replacing an fp8 weight) frees them only after the compute that read them;
+* at the end of every stage call the compute stream waits on the carried prefetch's
+  event, so whatever the caller runs between requests (a read, an in-place write,
+  ``fuse_lora``) is ordered after that copy, and the pipeline's own read of its output
+  orders the host too: no host wait is added;
 * a load is copies only. A release fingerprints the block's tensors on the device, folds
   them into one 64-bit word and reads back those 8 bytes, to compare with the same fold
   of the host copies' fingerprints (computed on the host, once per block, and updated at
   every write-back; the fingerprint is exact integer arithmetic, equal on any device).
   Only when they differ are the per-tensor fingerprints read back, and the tensors that
-  changed written back, as module mode does (section 4). The check holds no device
-  memory between load and release.
+  changed written back, as module mode does (section 4). Dropping a prefetch that guessed
+  wrong is a release like any other: a write made to it meanwhile is written back.
 
 Other platforms copy synchronously on the current stream.
 
-The order of the blocks comes from their containers (``blocks.discover_blocks``). A block
-that runs without having been prefetched (the model skipped or repeated one) is loaded
-synchronously and counted in ``stats.fallback_loads``; a wrongly prefetched block is
-dropped. After a component's last block, the first streamed block of the component that
-ran next last time (or of the same component) is prefetched; a component's forward
-prefetches its own first streamed block when nothing is prefetched yet.
+The schedule is learned from the calls observed (``BlockStreamer``): the blocks a
+component's previous call ran, in order, and which call followed which. A block that
+does not run is never prefetched once a call has been observed, and from the second
+request on identical requests copy identical bytes: the blocks that run, once per call.
+A block that runs without having been prefetched is loaded synchronously
+(``stats.fallback_loads``). A device out-of-memory error inside a stage call drops the
+prefetch and every block left on the device, empties the cache and reruns the call once
+without prefetch; a second one raises ``StageOutOfMemoryError``. Every load and release is
+all-or-nothing, and the streamer's state changes only once a move succeeded.
 """
 
 from __future__ import annotations
