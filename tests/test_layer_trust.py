@@ -472,3 +472,42 @@ def test_a_second_oom_raises_stage_out_of_memory_naming_stage_and_block(fake_dev
         with torch.no_grad():
             assert torch.equal(pipe(x).cpu(), _reference(fake_device, num_blocks=4))
     assert _races() == 0
+
+
+# -- 2. LoRA between requests, with the carried block on the device ---------------------
+
+
+@pytest.fixture(scope="module")
+def lora_state_dict() -> dict[str, torch.Tensor]:
+    pytest.importorskip("peft", reason="LoRA loading needs peft (the `test` extra installs it)")
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    t = tiny_pipelines.build("wan2.1", 0).transformer
+    t.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"], init_lora_weights=False))
+    return {f"transformer.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(t).items()}
+
+
+def test_lora_load_fuse_unfuse_unload_between_layer_mode_requests(fake_device, lora_state_dict):
+    """diffusers' LoRA API between requests while a block is carried on the device (its
+    copy just queued): every step equals the resident pipeline, no race, audit clean."""
+    ref = tiny_pipelines.build("wan2.1", 0).to(fake_device)
+    pipe = tiny_pipelines.build("wan2.1", 0)
+    steps = [
+        ("load_lora_weights", lambda p: p.load_lora_weights(
+            {k: v.clone() for k, v in lora_state_dict.items()}, adapter_name="a")),
+        ("fuse_lora", lambda p: p.fuse_lora(lora_scale=1.0)),
+        ("unfuse_lora", lambda p: p.unfuse_lora()),
+        ("unload_lora_weights", lambda p: p.unload_lora_weights()),
+    ]
+    with LayerwiseOffloadBackend(LAYER, fake_device) as backend:
+        backend.enable(pipe)
+        _run_np(pipe, "wan2.1")
+        for name, step in steps:
+            assert backend.streamer.prefetched is not None, name  # a block is carried
+            step(ref)
+            step(pipe)
+            want, got = _run_np(ref, "wan2.1"), _run_np(pipe, "wan2.1")
+            np.testing.assert_allclose(got, want, atol=1e-6, err_msg=name)
+            assert backend.audit() == [], name
+    assert _races() == 0
