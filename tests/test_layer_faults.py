@@ -355,17 +355,21 @@ def _drop_tracebacks(exc: BaseException | None) -> None:
 
 
 def _where(exc: BaseException) -> str:
-    """Innermost library frame and innermost frame of the traceback."""
+    """The innermost frame of the library proper (not ``testing/``, whose fake device
+    raises races) and the innermost frame of the traceback."""
     frames = traceback.extract_tb(exc.__traceback__)
-    lib = [f for f in frames if "diffusion_offload" in f.filename and "/tests/" not in f.filename]
+    lib = [
+        f for f in frames
+        if "diffusion_offload" in f.filename and "/tests/" not in f.filename and "/testing/" not in f.filename
+    ]
     parts = []
     if lib:
         f = lib[-1]
         parts.append(f"{f.filename.split('src/')[-1]}:{f.lineno} in {f.name}")
     if frames and (not lib or frames[-1] is not lib[-1]):
         f = frames[-1]
-        parts.append(f"{f.filename.split('/')[-1]}:{f.lineno} in {f.name}")
-    return " <- ".join(parts)
+        parts.append(f"{f.filename.split('src/')[-1].split('/')[-1]}:{f.lineno} in {f.name}")
+    return " ... ".join(parts)
 
 
 def _describe(exc: BaseException) -> str:
@@ -842,7 +846,8 @@ def _sweep(device: torch.device, scenario: str, kind: str, when: str, ks: list[i
     RUNS[(scenario, kind, when)] = len(ks)
     print(f"fault runs ({scenario}, {kind}, {when}): {len(ks)} of k=1..{n}; failing k: {_ranges(failed) or 'none'}")
     if groups:
-        lines = [f"({scenario}, {kind} {when} move, k={_ranges(ks_)} of {n}): {msg}" for msg, ks_ in groups.values()]
+        unit = "hook removal" if scenario.endswith("hook_removal") else "move"
+        lines = [f"({scenario}, {kind} {when} {unit}, k={_ranges(ks_)} of {n}): {msg}" for msg, ks_ in groups.values()]
         pytest.fail(f"{len(failed)} of {len(ks)} runs failed:\n  " + "\n  ".join(lines), pytrace=False)
 
 
