@@ -23,7 +23,7 @@ from . import hostmem
 from .config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from .discovery import Component, discover_components
 from .hooks import HookHandle, SequentialOffloadHook, attach_hook, get_handle
-from .policy import MemoryPolicy, resolve_budget
+from .policy import BudgetTooSmallError, MemoryPolicy, resolve_budget, smallest_budget
 from .platform import Platform, platform_for, same_device
 from .residency import ComponentWeights, WeightTable, named_tensors
 from .split import SupportsModelCpuOffload
@@ -143,7 +143,10 @@ class OffloadBackendBase:
             ValueError: the selection cannot be honoured (no DiT, no encoder stage, or
                 ``text_encoder`` selected but none found); a component holds a meta
                 tensor or a tensor on another device; this backend is already enabled on
-                another pipeline. Nothing was changed.
+                another pipeline; module mode: ``device_memory_budget`` (``"auto"``
+                resolved) is below the smallest workable budget (a
+                ``policy.BudgetTooSmallError`` naming it in bytes and the value given).
+                Nothing was changed.
             RuntimeError: a component module is already managed by another backend;
                 nothing was changed.
             MemoryError: the host cannot hold the host copies (bytes needed and
@@ -195,11 +198,18 @@ class OffloadBackendBase:
                 self._delegate.disable_omni_model_cpu_offload()
                 self._delegate = None
             removed: list[HookHandle] = []
+            current = None
             try:
                 for handle in reversed(self._handles):
+                    current = handle
                     handle.remove()
                     removed.append(handle)
+                current = None
             except BaseException:
+                # a ``HookHandle`` removal that raised may have finished (or got past the
+                # point where its handle stopped working) before raising: put it back too
+                if isinstance(current, HookHandle) and not current.active:
+                    current.reinstall()
                 for handle in reversed(removed):
                     handle.reinstall()
                 raise
@@ -271,7 +281,10 @@ class OffloadBackendBase:
 
     def _placement_breaches(self) -> list[str]:
         """Per tensor of every component: managed, and on the side its slot and its
-        component's ``resident`` flag say (the per-tensor part of ``audit``, both modes).
+        owners' ``resident`` flags say (the per-tensor part of ``audit``, both modes): a
+        slot that is not evictable on the device; an evictable one on the device exactly
+        while at least one of its owners is resident (a tensor tied between two selected
+        components follows whichever of them is resident).
 
         A tensor that is not managed is reported unless a pending structural change
         explains it and it holds no device memory of an evicted component. Call with the
@@ -280,7 +293,8 @@ class OffloadBackendBase:
         out: list[str] = []
         table = self._table
         assert table is not None
-        for comp in self.components.values():
+        comps = self.components
+        for comp in comps.values():
             pending = comp.generation != comp.synced
             for tname, t in comp.named_tensors():
                 slot = table.slot_of(t)
@@ -292,12 +306,16 @@ class OffloadBackendBase:
                     if not pending or (on_dev and comp.selected and not comp.resident):
                         out.append(f"{comp.name}: tensor {tname!r} is not managed by the backend (on {where})")
                     continue
-                want_dev = (not slot.evictable) or comp.resident
+                # a tensor shared by several components (a tie between two selected
+                # ones) is on the device while any of its owners is resident
+                holders = sorted(o for o in slot.owners if o in comps and comps[o].resident)
+                want_dev = (not slot.evictable) or bool(holders)
                 if on_dev != want_dev:
+                    shared = f", shared with {sorted(slot.owners - {comp.name})}" if len(slot.owners) > 1 else ""
                     out.append(
                         f"{comp.name}: tensor {tname!r} is on {where} but should be on "
                         f"{'the device' if want_dev else 'the host'} "
-                        f"(resident={comp.resident}, evictable={slot.evictable})"
+                        f"(resident={comp.resident}, evictable={slot.evictable}{shared})"
                     )
         return out
 
@@ -466,14 +484,21 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         table = WeightTable(self.mover)
         for comp in components:
             table.add(comp.name, comp.role, selected[comp.name], comp.module)
+        staged = [c for c in components if c.role in _STAGE_ROLES]
+        groups = [
+            {comp.name, *(w.name for w in self._companions(comp, table.components))}
+            for comp in staged
+        ]
+        budget = self._check_budget(table, named, selected, groups)
 
         def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
-            policy = MemoryPolicy(None, self.platform, weights)
-            policy.budget = resolve_budget(
-                self.device_memory_budget, self.platform, policy.resident_bytes()
-            )
-            if policy.budget is not None:
+            policy = MemoryPolicy(None, self.platform, weights, groups)
+            if budget is not None:
+                policy.set_budget(budget)
                 policy.copy_stream = self.platform.new_stream()
+                floor = policy.smallest()
+                if floor[0] > budget:  # the adopted slots disagree with the plan
+                    raise BudgetTooSmallError(self.device_memory_budget, budget, *floor)
             for comp in components:
                 hook = None
                 if comp.role in _STAGE_ROLES:
@@ -490,6 +515,45 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
             self.policy = policy
 
         self._transact_enable(table, named, selected, install)
+
+    def _check_budget(
+        self,
+        table: WeightTable,
+        named: dict[str, list[tuple[str, torch.Tensor]]],
+        selected: dict[str, bool],
+        groups: list[set[str]],
+    ) -> int | None:
+        """Resolve ``device_memory_budget`` to bytes and refuse one below the smallest
+        workable budget, before anything is adopted, pinned or moved.
+
+        Returns the budget in bytes, or None (the strict rule).
+
+        Raises:
+            BudgetTooSmallError (a ValueError): the budget (``"auto"`` resolved) is below
+                the bytes that always stay on the device plus the largest stage group;
+                the message names both numbers.
+            ValueError: a meta tensor or a tensor on a foreign device (named).
+        """
+        if self.device_memory_budget is None:
+            return None
+        table.check_tensors(named)
+        plan = table.plan(named, selected)
+        on_device = 0
+        seen: set[int] = set()
+        for tensors in named.values():
+            for _, t in tensors:
+                p = payload_of(t)
+                if id(t) not in seen and same_device(p.device, self.device):
+                    seen.add(id(t))
+                    on_device += p.numel() * p.element_size()
+        # "auto" counts the managed weights on the device now as available (they are
+        # what the budget is for), as it does after placement
+        budget = resolve_budget(self.device_memory_budget, self.platform, on_device)
+        assert budget is not None
+        floor = smallest_budget(plan, groups)
+        if floor[0] > budget:
+            raise BudgetTooSmallError(self.device_memory_budget, budget, *floor)
+        return budget
 
     def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
         """Module mode: the selected DiTs rest on the host (the encoders rest on the

@@ -43,6 +43,7 @@ from torch import nn
 
 from .platform import same_device
 from .residency import ComponentWeights
+from .transfer import Transaction
 
 if TYPE_CHECKING:
     from .policy import MemoryPolicy
@@ -117,9 +118,20 @@ class SequentialOffloadHook:
             # after a decode ran out of memory beside them, evict what its retry evicted
             targets = [c for c in policy.components.values() if c.selected] if policy.decode_needs_room else []
         else:
-            need = policy._missing([c for c in self.group if c.pending is None])
-            candidates = list(policy.components.values())
-            targets = policy.victims(self.group, need, candidates)
+            # structural changes of the group (a LoRA) are taken in first, so the room
+            # made is the room its load needs, and a grown group raises the budget in
+            # force instead of overrunning it (see ``policy``)
+            for member in self.group:
+                if member.generation != member.synced:
+                    txn = Transaction()
+                    try:
+                        member.sync(txn)
+                    except BaseException:
+                        txn.rollback()
+                        raise
+                    txn.commit()
+            policy.refresh_budget()
+            targets = policy.victims(self.group, list(policy.components.values()))
         moved = False
         for other in targets:
             if other.resident or other.generation != other.synced:
@@ -128,8 +140,9 @@ class SequentialOffloadHook:
 
     def activate(self) -> bool:
         """Make room (strict rule: evict the exclusion set; budget: the policy's victims),
-        then load the group (which synchronizes), then, with a budget, prefetch the next
-        stage.
+        then load the group (which synchronizes; a member prefetched on the copy stream
+        is completed instead: the current stream waits on its event), then, with a
+        budget, prefetch the next stage.
 
         Returns True if any tensor moved. Parameterless components move nothing. Each
         eviction and load is all-or-nothing; an interrupted activation leaves every
@@ -145,13 +158,22 @@ class SequentialOffloadHook:
                     if other.resident or other.generation != other.synced:
                         moved = bool(other.evict()) or moved
             for member in self.group:
-                if policy is not None and policy.finish_prefetch(member):
-                    continue
+                # whatever evicted a prefetched member, its own ``pending`` says whether
+                # a load is in flight: never a stale record that skips the load
+                member.finish_pending()
                 if not member.ready:
                     moved = bool(member.load()) or moved
             if self.budgeted:
                 policy.prefetch_next(self.group, policy.group_of)  # type: ignore[union-attr]
             return moved
+
+    def order_pending(self) -> None:
+        """Order the current stream after the policy's prefetches in flight (no host
+        wait; see ``MemoryPolicy.order_pending``). O(1) when there are none."""
+        policy = self.policy
+        if policy is not None and policy._unordered:
+            with self.lock:
+                policy.order_pending()
 
     def recover_from_oom(self) -> list[str]:
         """Evict every selected component outside this hook's group and empty the device
@@ -280,6 +302,19 @@ class HookHandle:
                 raise ReferenceError("the offloaded module was deleted")
             if not handle.active or hook.policy is None:
                 return run(mod, args, kwargs)
+            _CALLS.depth = getattr(_CALLS, "depth", 0) + 1
+            try:
+                return guarded(mod, args, kwargs)
+            finally:
+                _CALLS.depth -= 1
+                if _CALLS.depth == 0:
+                    # the outermost offloaded call ends: what runs next (the pipeline's
+                    # read of the output, the caller's code between requests) is ordered
+                    # after the copies a prefetch left in flight; they overlapped this
+                    # call's work
+                    hook.order_pending()
+
+        def guarded(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             try:
                 return run(mod, args, kwargs)
             except torch.OutOfMemoryError:
@@ -320,6 +355,8 @@ class HookHandle:
             # component resident (the root's hook evicted them)
             if not component.ready:
                 hook.activate()
+                if getattr(_CALLS, "depth", 0) == 0:
+                    hook.order_pending()  # a direct call into the child: no outer call ends
 
         for sub in module.modules():
             if sub is module or sub in self._hooked_children:
@@ -397,16 +434,22 @@ class HookHandle:
     # -- install / remove -------------------------------------------------------------
 
     def install(self) -> None:
-        """Put the wrappers on the module (forward, ``_apply``) and hook the children."""
+        """Put the wrappers on the module (forward, ``_apply``) and hook the children.
+
+        Idempotent over a ``remove`` that stopped part-way: wrappers still in place keep
+        what they replaced, the component listener is added once."""
         module = self.module_ref()
         assert module is not None
         for attr, value in (*self.wrappers.items(), ("_apply", self.apply_guard)):
-            self._saved[attr] = module.__dict__.get(attr)
+            current = module.__dict__.get(attr)
+            if current is not value:  # (still ours after an interrupted ``remove``: keep what it saved)
+                self._saved[attr] = current
             module.__dict__[attr] = value
         self.hook_children()
         if self.hook is not None:
             self.hook.active = True
-            self.hook.component.listeners.append(self._on_component)
+            if self._on_component not in self.hook.component.listeners:
+                self.hook.component.listeners.append(self._on_component)
         _REGISTRY[module] = weakref.ref(self)
 
     def reinstall(self) -> None:
@@ -449,6 +492,9 @@ class HookHandle:
         if ref is not None and ref() is self:
             del _REGISTRY[module]
 
+
+#: per thread: ``depth``, the offloaded entry-point calls (forward, decode, encode) open
+_CALLS = threading.local()
 
 _REGISTRY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookHandle]]" = weakref.WeakKeyDictionary()
 
@@ -518,3 +564,5 @@ def offload_component(module: nn.Module) -> Iterator[nn.Module]:
             hook.context_depth -= 1
             if hook.context_depth == 0 and hook.active:  # disable() moves nothing
                 hook.component.evict()
+            if getattr(_CALLS, "depth", 0) == 0:
+                hook.order_pending()

@@ -15,6 +15,20 @@ group. With a budget (bytes, or ``"auto"``):
   order is loaded on a copy stream while the current stage computes, if it fits within
   the budget beside the current group (after evicting, by the same rule, components
   used later than it). The next stage's hook waits on the copy's event.
+* **Nothing outruns a copy.** When the outermost offloaded call that issued a prefetch
+  returns (a decode that prefetched the next request's text encoder, a DiT step, the
+  first text-encoder call; also when it raises), the compute stream waits on the copy's
+  event (``stream.wait_event``: no host wait, no kernel) and every tensor the copy
+  allocated gets ``record_stream(compute stream)``. Whatever runs next on that stream is
+  ordered after the copy: the pipeline's read of its output, the caller's reads and
+  writes between requests (``load_lora_weights`` + ``fuse_lora`` included), and code
+  that replaces a prefetched weight (diffusers' layerwise casting), whose free then
+  waits for the compute that read it. With nothing in flight this costs nothing; the
+  copy still overlaps the call that issued it, and later calls of that stage queue
+  behind it on the device.
+* **No stale prefetch.** A component's load in flight is recorded on the component
+  itself (``ComponentWeights.pending``), so whatever evicts it before its stage runs (the
+  OOM retry, a stage order that changed) completes it first, and its stage loads it.
 * **Decode without the DiTs only when needed.** A VAE evicts the selected components
   before it runs only once a decode has run out of memory beside them (the retry's
   eviction, learned); strict mode evicts the selected DiTs always.
@@ -24,14 +38,32 @@ group. With a budget (bytes, or ``"auto"``):
   resident weight bytes and the budget.
 
 The budget bounds the bytes of component weights resident on the device (unselected
-components included), not activations.
+components included, a tensor shared by several components counted once), not
+activations. A tensor tied between two selected components stays on the device while
+either of them is resident.
+
+**The smallest workable budget** is the bytes that always stay on the device (unselected
+components, tensors shared with them) plus the largest stage group (a DiT; the selected
+encoders together). ``enable`` refuses a budget below it (``"auto"`` included, e.g. one
+that resolves to 0 on a small device) with ``BudgetTooSmallError`` (a ValueError) naming
+both numbers and the value given, before anything is adopted, pinned or moved.
+
+**Growth after enable** (a LoRA loaded into a component, a bigger replaced Parameter):
+the next activation of the grown group takes the change in first, then the budget in
+force (``MemoryPolicy.budget``) becomes max(the budget given, the smallest workable budget
+now), with one ``RuntimeWarning`` naming both each time it rises to a new high; victims
+and prefetches follow that budget, so the resident weights stay within it and ``audit()``
+(which checks against it) stays ``[]``. When the growth goes (``unload_lora_weights``),
+the next activation brings the budget given back. To bound the grown weights by a fixed
+number instead, ``disable()`` and ``enable()`` with another budget.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +73,13 @@ from .platform import Platform
 if TYPE_CHECKING:
     from .residency import ComponentWeights
 
-__all__ = ["MemoryPolicy", "StageOutOfMemoryError", "resolve_budget"]
+__all__ = [
+    "BudgetTooSmallError",
+    "MemoryPolicy",
+    "StageOutOfMemoryError",
+    "resolve_budget",
+    "smallest_budget",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +137,60 @@ def resolve_budget(
     return budget
 
 
+class BudgetTooSmallError(ValueError):
+    """``device_memory_budget`` is below the smallest budget that can run the pipeline:
+    the weights that always stay on the device plus the largest stage group.
+
+    Attributes:
+        given: the budget as given (bytes or ``"auto"``).
+        budget: the budget in bytes (what ``"auto"`` resolved to).
+        smallest: the smallest workable budget in bytes.
+        fixed: bytes of weights that always stay on the device (unselected components,
+            tensors shared with them).
+        group: bytes of the largest group; ``group_names``: its components.
+    """
+
+    def __init__(
+        self, given: Any, budget: int, smallest: int, fixed: int, group: int, group_names: tuple[str, ...]
+    ) -> None:
+        self.given, self.budget, self.smallest = given, budget, smallest
+        self.fixed, self.group, self.group_names = fixed, group, group_names
+        shown = f"{given!r} (resolved to {budget} bytes)" if isinstance(given, str) else f"{budget} bytes"
+        super().__init__(
+            f"device_memory_budget={shown} is below the smallest workable budget of {smallest} "
+            f"bytes: {fixed} bytes of weights that always stay on the device + {group} bytes of "
+            f"the largest group {list(group_names)}; give device_memory_budget >= {smallest}, "
+            "or None for the strict rule (one group at a time, no budget)"
+        )
+
+
+Slots = Iterable[tuple[frozenset[str], int, bool]]
+
+
+def smallest_budget(
+    slots: Slots, groups: Iterable[Iterable[str]]
+) -> tuple[int, int, int, tuple[str, ...]]:
+    """The smallest budget that runs every stage: ``(bytes, fixed, group, group_names)``.
+
+    Args:
+        slots: ``(owner names, bytes, evictable)`` per slot (each shared storage once).
+        groups: the component names of each stage group.
+
+    ``fixed`` is the bytes of the slots that never leave the device (not evictable);
+    ``group`` the largest, over the groups, of the bytes of the evictable slots any of
+    the group's components holds (all on the device while the group runs).
+    """
+    slots = list(slots)
+    fixed = sum(n for _, n, evictable in slots if not evictable)
+    best, names = 0, ()
+    for g in groups:
+        members = set(g)
+        size = sum(n for owners, n, evictable in slots if evictable and owners & members)
+        if size > best or not names:
+            best, names = size, tuple(sorted(members))
+    return fixed + best, fixed, best, names
+
+
 class MemoryPolicy:
     """Residency decisions of one model-level backend (see the module docstring).
 
@@ -106,35 +198,94 @@ class MemoryPolicy:
         budget: resolved budget in bytes, or None (strict rule).
         platform: the device's platform.
         components: the backend's ``ComponentWeights`` by name.
+        groups: the component names of each stage group (for the smallest workable
+            budget); empty: every component alone.
 
     Attributes:
+        requested: the budget given (bytes), or None.
+        budget: the budget in force (bytes): ``requested``, or the smallest workable
+            budget when structural changes after enable (a LoRA) grew it past
+            ``requested`` (see the module docstring); None under the strict rule.
         history: the stages activated, consecutive repeats collapsed (stage keys are
             tuples of component names).
         decode_needs_room: a decode ran out of memory beside the DiTs: VAEs evict them.
         tight: stages that ran out of memory once; no prefetch runs beside them.
-        prefetched: component name -> (event, stream) of a load in flight.
         retries: forwards retried after an OOM.
     """
 
     def __init__(
-        self, budget: int | None, platform: Platform, components: dict[str, "ComponentWeights"]
+        self,
+        budget: int | None,
+        platform: Platform,
+        components: dict[str, "ComponentWeights"],
+        groups: Iterable[Iterable[str]] = (),
     ) -> None:
+        self.requested = budget
         self.budget = budget
         self.platform = platform
         self.components = components
+        self.groups = [frozenset(g) for g in groups] or [frozenset([n]) for n in components]
         self.history: list[tuple[str, ...]] = []
         self.decode_needs_room = False
         self.tight: set[tuple[str, ...]] = set()  # stages that ran out of memory once
         self._clock = itertools.count(1)
         self.last_used: dict[str, int] = {}
         self.copy_stream: Any = platform.new_stream() if budget is not None else None
-        self.prefetched: dict[str, Any] = {}
+        self._unordered: list["ComponentWeights"] = []  # prefetches no stream waits on yet
+        self._warned_at = budget if budget is not None else 0
         self.retries = 0
 
     @property
     def strict(self) -> bool:
         """True without a budget: the strict rule of SPEC section 4."""
         return self.budget is None
+
+    @property
+    def prefetched(self) -> dict[str, Any]:
+        """Component name -> ``PendingLoad`` of each load in flight (read from the
+        components themselves, so an eviction, whoever makes it, never leaves a stale
+        entry)."""
+        return {n: c.pending for n, c in self.components.items() if c.pending is not None}
+
+    def set_budget(self, budget: int | None) -> None:
+        """Set the requested (and, until a growth raises it, the effective) budget in bytes."""
+        self.requested = self.budget = budget
+        self._warned_at = budget if budget is not None else 0
+
+    def slots(self) -> list[tuple[frozenset[str], int, bool]]:
+        """``(owners, bytes, evictable)`` of every managed slot now (shared ones once)."""
+        seen: dict[int, tuple[frozenset[str], int, bool]] = {}
+        for comp in self.components.values():
+            for slot in comp.slots:
+                if id(slot) not in seen:
+                    seen[id(slot)] = (frozenset(slot.owners), slot.nbytes, slot.evictable)
+        return list(seen.values())
+
+    def smallest(self) -> tuple[int, int, int, tuple[str, ...]]:
+        """``smallest_budget`` of the managed slots now and this policy's groups."""
+        return smallest_budget(self.slots(), self.groups)
+
+    def refresh_budget(self) -> int | None:
+        """Follow growth after enable: the budget in force becomes max(requested, the
+        smallest workable budget now), with one ``RuntimeWarning`` each time it rises to a
+        new high; returns it. O(slots); called by each budgeted activation."""
+        if self.requested is None:
+            return None
+        floor, fixed, group, names = self.smallest()
+        effective = max(self.requested, floor)
+        if effective > self._warned_at:
+            self._warned_at = effective
+            warnings.warn(
+                f"device_memory_budget: the weights grew after enable() (a LoRA?): "
+                f"{fixed} bytes always resident + {group} bytes of group {list(names)} "
+                f"need {floor} bytes, above the {self.requested} bytes given; running with a "
+                f"budget of {effective} bytes until they shrink again. To bound them, "
+                "disable() and enable() with another budget, or offload more (mode='layer')",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+        self.budget = effective
+        return effective
 
     # -- order ----------------------------------------------------------------------------
 
@@ -212,36 +363,47 @@ class MemoryPolicy:
                     seen[id(slot)] = slot.nbytes
         return sum(seen.values())
 
-    def _missing(self, group: Sequence["ComponentWeights"]) -> int:
+    def projected_bytes(self, evict: Iterable[str] = (), load: Iterable[str] = ()) -> int:
+        """Bytes of managed weights on the device after evicting the components named in
+        ``evict`` and loading those in ``load``: the slots that never leave plus every
+        evictable slot that a component resident afterwards holds (a slot shared with a
+        component that stays resident does not leave with an evicted owner)."""
         device = self.platform.device
+        gone = set(evict)
+        after = {n for n, c in self.components.items() if c.resident and n not in gone} | set(load)
         seen: dict[int, int] = {}
-        for comp in group:
+        for comp in self.components.values():
             for slot in comp.slots:
-                if slot.evictable and not slot.on_device(device):
+                if id(slot) in seen:
+                    continue
+                if slot.evictable:
+                    if not slot.owners.isdisjoint(after):
+                        seen[id(slot)] = slot.nbytes
+                elif slot.on_device(device):
                     seen[id(slot)] = slot.nbytes
         return sum(seen.values())
 
     def victims(
         self,
         keep: Sequence["ComponentWeights"],
-        need: int,
         candidates: Sequence["ComponentWeights"],
         ahead: int = 0,
     ) -> list["ComponentWeights"]:
-        """Components to evict so ``need`` more bytes fit within the budget, farthest next
-        use (seen from ``ahead`` stages on) first; never one in ``keep``. May return all
-        candidates and still not fit."""
+        """Components to evict so that ``keep`` fits beside what stays within the budget,
+        farthest next use (seen from ``ahead`` stages on) first; never one in ``keep``.
+        May return all candidates and still not fit (only below the smallest workable
+        budget, which ``enable`` refuses)."""
         assert self.budget is not None
         keep_names = {c.name for c in keep}
         pool = [c for c in candidates if c.selected and c.resident and c.name not in keep_names]
         pool.sort(key=lambda c: self.next_use(c.name, ahead), reverse=True)
-        over = self.resident_bytes() + need - self.budget
-        out = []
+        out: list["ComponentWeights"] = []
+        gone: set[str] = set()
         for comp in pool:
-            if over <= 0:
+            if self.projected_bytes(gone, keep_names) <= self.budget:
                 break
             out.append(comp)
-            over -= comp.evictable_bytes
+            gone.add(comp.name)
         return out
 
     # -- prefetch -------------------------------------------------------------------------
@@ -255,7 +417,11 @@ class MemoryPolicy:
         computes, when that moves exactly what the next stage would move anyway: the
         victims are those the farthest-next-use rule picks at the next stage, and the
         prefetch is skipped if they include the running group (it cannot leave while it
-        runs) or the group does not fit within the budget."""
+        runs) or the group does not fit within the budget.
+
+        The loads stay in flight until ``order_pending`` (the end of the outermost
+        offloaded call, see ``hooks``) or their stage's hook orders the compute stream
+        after them."""
         if self.strict or self.copy_stream is None:
             return
         if tuple(sorted(c.name for c in running)) in self.tight:
@@ -263,32 +429,38 @@ class MemoryPolicy:
         nxt = self.next_stage()
         if nxt is None:
             return
-        group = [c for c in groups(nxt) if c.selected and not c.resident and c.name not in self.prefetched]
+        group = [c for c in groups(nxt) if c.selected and not c.resident]
         if not group:
             return
-        need = self._missing(group)
-        victims = self.victims(group, need, list(self.components.values()), ahead=1)
+        victims = self.victims(group, list(self.components.values()), ahead=1)
         running_names = {c.name for c in running}
         if any(v.name in running_names for v in victims):
             return
-        freed = sum(v.evictable_bytes for v in victims)
-        if self.resident_bytes() - freed + need > self.budget:  # type: ignore[operator]
+        if self.projected_bytes({v.name for v in victims}, {c.name for c in group}) > self.budget:  # type: ignore[operator]
             return
         for v in victims:
             v.evict()
         for comp in group:
             try:
-                pending = comp.load_async(self.copy_stream)
+                comp.load_async(self.copy_stream)
             except torch.OutOfMemoryError:
                 logger.info("no room to prefetch %s now; it loads when it runs", comp.name)
                 return
-            self.prefetched[comp.name] = pending
+            self._unordered.append(comp)
+
+    def order_pending(self) -> None:
+        """Order the current stream after every prefetch still in flight (an event wait
+        and ``record_stream`` per loaded tensor: no host wait, no kernel), so whatever
+        runs next on it (the caller's reads and writes between requests, the pipeline's
+        read of its output, a replacement of a prefetched weight) comes after the
+        copies. O(1) when no prefetch is in flight unordered."""
+        if not self._unordered:
+            return
+        comps, self._unordered = self._unordered, []
+        for comp in comps:
+            comp.order_pending()
 
     def finish_prefetch(self, comp: "ComponentWeights") -> bool:
-        """If ``comp`` was prefetched, make the current stream wait for it and complete the
-        load; True if so."""
-        pending = self.prefetched.pop(comp.name, None)
-        if pending is None:
-            return False
-        comp.finish_load(pending)
-        return True
+        """If ``comp`` has a load in flight, make the current stream wait for it and
+        complete the load; True if so."""
+        return comp.finish_pending()

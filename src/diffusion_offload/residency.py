@@ -307,14 +307,38 @@ class ComponentWeights:
             self._count("load", start)
         return self.pending
 
+    def order_pending(self, stream: Any = None) -> None:
+        """Order ``stream`` (None: the current stream) after the load in flight, without a
+        host wait: ``stream.wait_event`` on the load's event, then ``record_stream(stream)``
+        on every tensor it loaded (they were allocated on the copy stream, so freeing them
+        later, whoever replaces them, waits for ``stream``'s work queued by then). No-op
+        without a load in flight or when already ordered on that stream."""
+        pending = self.pending
+        if pending is None:
+            return
+        platform = self.mover.platform
+        if stream is None:
+            stream = platform.current_stream()
+        key = _stream_key(stream)
+        if stream is None or key in pending.ordered:
+            return
+        if pending.event is not None:
+            stream.wait_event(pending.event)
+        with torch.inference_mode(False), torch.no_grad():
+            for m in pending.members:
+                p = m.payload
+                if same_device(p.device, self.mover.device):
+                    p.record_stream(stream)
+        pending.ordered.add(key)
+
     def finish_load(self, pending: "PendingLoad") -> None:
-        """Order the current stream after an ``load_async`` and record the loaded tensors'
-        fingerprints (read back now: 8 bytes a tensor, after the copy has completed)."""
+        """Order the current stream after an ``load_async`` (``order_pending``) and record
+        the loaded tensors' fingerprints (read back now: 8 bytes a tensor, after the copy
+        has completed). No-op if ``pending`` is not this component's load in flight."""
         if self.pending is not pending:
             return
         mover = self.mover
-        if pending.event is not None:
-            mover.platform.current_stream().wait_event(pending.event)
+        self.order_pending()
         if pending.fps is not None:
             fps = pending.fps.cpu().tolist()
             stats = mover.stats
@@ -325,25 +349,44 @@ class ComponentWeights:
                 m.fp = fp
         self.pending = None
 
+    def finish_pending(self) -> bool:
+        """Complete the load in flight, if any (``finish_load``); True if there was one."""
+        pending = self.pending
+        if pending is None:
+            return False
+        self.finish_load(pending)
+        return True
+
+    def _kept_for_others(self, slot: TensorSlot) -> bool:
+        """Whether another owner of ``slot`` is resident (the slot then stays on the device)."""
+        comps = self.table.components
+        return any(
+            o != self.name and o in comps and comps[o].resident for o in slot.owners
+        )
+
     def evict(self) -> int:
         """Point every evictable tensor back at its host copy; return the tensors moved.
 
-        Unselected components never evict; tensors shared with resident components stay.
-        Unmodified tensors cost no copy; modified ones are written back first. An evicted
+        Unselected components never evict; tensors shared with resident components stay
+        (a tensor tied between two selected components stays on the device while the
+        other owner is resident). A load in flight is completed first. Unmodified tensors
+        cost no copy; modified ones are written back first. An evicted
         component with a pending structural change is synced too, so tensors added to it
         on the device leave. All or nothing, for any exception: on failure every tensor is
         where it was.
         """
         if not self.selected or not (self.resident or self.generation != self.synced):
             return 0
-        if self.pending is not None:
-            self.finish_load(self.pending)
+        self.finish_pending()
         start = time.perf_counter()
         mover = self.mover
         txn = Transaction()
         try:
             self.sync(txn)  # tensors added while evicted may sit on the device
-            on_device = [s for s in self.slots if s.evictable and s.on_device(mover.device)]
+            on_device = [
+                s for s in self.slots
+                if s.evictable and s.on_device(mover.device) and not self._kept_for_others(s)
+            ]
             mover.evict(on_device, txn)
         except BaseException:
             txn.rollback()
@@ -362,16 +405,51 @@ class ComponentWeights:
         return f"ComponentWeights({self.name!r}, role={self.role!r}, {state})"
 
 
+def _stream_key(stream: Any) -> Any:
+    """A stable identity of a stream (``torch.cuda.current_stream()`` returns a new Python
+    object on each call): its device and id where it has them."""
+    if stream is None:
+        return None
+    sid = getattr(stream, "stream_id", None)
+    if sid is None:
+        return id(stream)
+    return (getattr(stream, "device_type", None), getattr(stream, "device_index", None), sid)
+
+
 class PendingLoad:
     """An asynchronous component load in flight: the tensors it loaded, their device
-    fingerprints (int64 ``(N,)``, or None) and the event recorded after them."""
+    fingerprints (int64 ``(N,)``, or None), the event recorded after them, and the ids
+    (``_stream_key``) of the streams already ordered after it (``ComponentWeights.order_pending``)."""
 
-    __slots__ = ("members", "fps", "event")
+    __slots__ = ("members", "fps", "event", "ordered")
 
     def __init__(self, members: list[Any], fps: torch.Tensor | None, event: Any) -> None:
         self.members = members
         self.fps = fps
         self.event = event
+        self.ordered: set[Any] = set()
+
+
+def _span_bytes(objs: list[torch.Tensor]) -> list[int]:
+    """Bytes of the host slots ``Mover._adopt_host`` makes for tensors viewing one
+    storage (the same span rule: aligned to the largest element size, clipped to the
+    storage; one slot per tensor when aliases of several element sizes do not tile)."""
+    payloads = [payload_of(o) for o in objs]
+    align = max(p.element_size() for p in payloads)
+    storage = payloads[0].untyped_storage()
+    lo = min(p.storage_offset() * p.element_size() for p in payloads)
+    hi = 0
+    for p in payloads:
+        if any(n == 0 for n in p.shape):
+            extent = 0
+        else:
+            extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+        hi = max(hi, (p.storage_offset() + extent) * p.element_size())
+    lo -= lo % align
+    hi = min(hi + (-hi) % align, storage.nbytes())
+    if len(objs) > 1 and (hi - lo) % align:
+        return [n for o in objs for n in _span_bytes([o])]
+    return [hi - lo]
 
 
 def _drop_slots(ref: "weakref.ref[ComponentWeights]") -> None:
@@ -384,6 +462,7 @@ def _drop_slots(ref: "weakref.ref[ComponentWeights]") -> None:
         comp.table.disown(comp.name, slot, txn)
     txn.commit()
     comp.resident = not comp.selected
+    comp.pending = None
 
 
 class WeightTable:
@@ -441,6 +520,40 @@ class WeightTable:
                         f"component {comp!r}: tensor {tname!r} is on {p.device}; offload to "
                         f"{device} handles tensors on the host or on {device} only"
                     )
+
+    def plan(
+        self, named: dict[str, list[tuple[str, torch.Tensor]]], selected: dict[str, bool]
+    ) -> list[tuple[frozenset[str], int, bool]]:
+        """The slots ``adopt`` would make for ``named`` in an empty table, without making
+        them (no host copy, no pinning, no move): ``(owners, bytes, evictable)`` each.
+
+        It groups tensors as ``adopt`` and ``Mover.group`` do: by owner set, then host
+        tensors by storage, one span per storage (aligned to the largest element size, one
+        slot per tensor when aliases of several element sizes do not tile), a device
+        tensor one slot of its own bytes. ``selected``: component name -> selected.
+        """
+        owners: dict[int, set[str]] = {}
+        objs: dict[int, torch.Tensor] = {}
+        for comp, tensors in named.items():
+            for _, t in tensors:
+                owners.setdefault(id(t), set()).add(comp)
+                objs[id(t)] = t
+        fresh: dict[frozenset[str], list[torch.Tensor]] = {}
+        for key, t in objs.items():
+            fresh.setdefault(frozenset(owners[key]), []).append(t)
+        out: list[tuple[frozenset[str], int, bool]] = []
+        for names, group in fresh.items():
+            evictable = all(selected[n] for n in names) and (len(names) == 1 or self.shared_evictable)
+            host: dict[int, list[torch.Tensor]] = {}
+            for t in group:
+                p = payload_of(t)
+                if p.device.type == "cpu":
+                    host.setdefault(p.untyped_storage().data_ptr() or id(p), []).append(t)
+                else:
+                    out.append((names, p.numel() * p.element_size(), evictable))
+            for same_storage in host.values():
+                out.extend((names, n, evictable) for n in _span_bytes(same_storage))
+        return out
 
     def adopt(
         self, named: dict[str, list[tuple[str, torch.Tensor]]], txn: Transaction
