@@ -206,9 +206,10 @@ class OffloadBackendBase:
                     removed.append(handle)
                 current = None
             except BaseException:
-                # a ``HookHandle`` removal that raised may have finished (or got past the
-                # point where its handle stopped working) before raising: put it back too
-                if isinstance(current, HookHandle) and not current.active:
+                # a removal that raised may have finished (or got past the point where
+                # its handle stopped working) before raising: put it back too (every
+                # handle kind says whether it is installed in ``active``)
+                if current is not None and not current.active:
                     current.reinstall()
                 for handle in reversed(removed):
                     handle.reinstall()

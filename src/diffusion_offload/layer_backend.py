@@ -639,11 +639,18 @@ class _BlockHooks:
             module.register_forward_hook(post, always_call=True),
         ]
 
+    @property
+    def active(self) -> bool:
+        """Whether both hooks are installed."""
+        return len(self._handles) == 2
+
     def remove(self) -> None:
         while self._handles:
             self._handles.pop().remove()
 
     def reinstall(self) -> None:
+        """Install again (after a removal, complete or not)."""
+        self.remove()
         self.install()
 
 
@@ -719,7 +726,9 @@ class _StageEntry:
         self._wrappers.clear()
 
     def reinstall(self) -> None:
-        self.install()
+        """Install again after ``remove`` (a rolled-back ``disable``)."""
+        if not self.active:
+            self.install()
 
 
 class LayerwiseOffloadBackend(OffloadBackendBase):
