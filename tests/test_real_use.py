@@ -108,6 +108,39 @@ def test_lora_loaded_while_the_dit_is_resident(fake_device, lora_state_dict):
     backend.disable()
 
 
+def test_text_encoder_lora_loaded_while_the_encoder_is_evicted(fake_device):
+    """Strict module mode, Flux: after a request the text encoders rest on the host;
+    diffusers' ``load_lora_weights`` then calls ``text_encoder.to(text_encoder.device)``
+    (the host): a no-op that keeps the placement, and the LoRA is used at the next
+    request, as on the resident pipeline."""
+    pytest.importorskip("peft", reason="LoRA loading needs peft (the `test` extra installs it)")
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    te = inject_adapter_in_model(
+        LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "k_proj"], init_lora_weights=False),
+        tiny_pipelines.build("flux").text_encoder,
+    )
+    lora = {f"text_encoder.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(te).items()}
+    kwargs = dict(tiny_pipelines.default_call_kwargs("flux"), output_type="np")
+
+    def run(p):
+        return np.asarray(p(prompt="a cat", generator=torch.Generator("cpu").manual_seed(0), **kwargs).images)
+
+    ref = tiny_pipelines.build("flux").to(fake_device)
+    pipe = tiny_pipelines.build("flux")
+    with ModelLevelOffloadBackend(FULL, fake_device) as backend:
+        backend.enable(pipe)
+        base = run(pipe)
+        assert next(pipe.text_encoder.parameters()).device.type == "cpu"  # evicted
+        for p in (ref, pipe):
+            p.load_lora_weights({k: v.clone() for k, v in lora.items()}, adapter_name="te")
+        want, got = run(ref), run(pipe)
+        assert backend.audit() == []
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert np.abs(want - base).max() > 1e-6  # the LoRA changes the output
+
+
 def test_layerwise_casting_writes_nothing_back(fake_device):
     import weakref
 

@@ -423,6 +423,10 @@ class HookHandle:
                 return type(mod)._apply(mod, fn, recurse)  # keeps device and dtype
             if same_device(on_host.device, device):
                 return mod  # a move to the offload device: offload places the weights
+            if all(same_device(t.device, on_host.device) for t in mod.parameters()):
+                # ``m.to(m.device)`` (diffusers after loading a text encoder's LoRA) on a
+                # component evicted there: nothing to move, the placement stays
+                return mod
             raise RuntimeError(
                 f"component {handle.name!r} is managed by model-level offload on {device}: "
                 f"moving it to {on_host.device} is not allowed while offload is enabled; "
