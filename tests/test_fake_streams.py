@@ -511,3 +511,444 @@ def test_prefetch_hides_copies_behind_real_cpu_compute(streams, fake_device, one
         assert fa.stats()["races_detected"] == 0
         results.append((exposed_prefetch, exposed_serial, copy_s))
     assert results[-1][0] <= 0.5 * results[-1][1], results
+
+
+# ----------------------------------------------------------------------------- host side
+#
+# The host is its own participant: it knows a stream's work complete only after a
+# synchronize, an event/stream synchronize, a query() that returned True, or a blocking
+# copy on a stream ordered after that work. Non-blocking copies between the device and
+# pinned (or registered) host memory stay pending for the host until then.
+
+_HOST_PENDING_D2H = (
+    r"pinned host tensor of shape .*: stream \d+ \((side|default)\) device-to-host copy "
+    r"\(seq \d+\) into it is still pending, (read|written) by .* on the host: the host had "
+    r"not waited for it"
+)
+_HOST_PENDING_H2D = (
+    r"pinned host tensor of shape .*: stream \d+ \((side|default)\) host-to-device copy "
+    r"\(seq \d+\) may still be reading it, written by .* on the host: the host had not "
+    r"waited for it"
+)
+
+
+@pytest.fixture
+def pinned_host(streams):
+    """``make(how, values)``: a 4-element float32 host tensor in pinned memory, by
+    ``pin_memory()`` or registered in place (``torch.fakegpu.host_register``, undone at
+    teardown)."""
+    registered = []
+
+    def make(how: str, values=(0.0, 0.0, 0.0, 0.0)) -> torch.Tensor:
+        t = torch.tensor(values)
+        if how == "pin_memory":
+            t = t.pin_memory()
+        else:
+            storage = t.untyped_storage()
+            assert torch.fakegpu.host_register(storage.data_ptr(), storage.nbytes())
+            registered.append((t, storage.data_ptr()))
+        assert t.is_pinned()
+        return t
+
+    yield make
+    fa.synchronize()
+    for _, ptr in registered:
+        torch.fakegpu.host_unregister(ptr)
+
+
+def _issue_d2h(how: str, copy: fa.Stream, src: torch.Tensor, make) -> tuple[torch.Tensor, fa.Event]:
+    """A non-blocking device->host copy of ``src`` into pinned memory; returns the host
+    tensor and an event recorded after it on the stream it ran on."""
+    stream = fa.current_stream() if how.endswith("default") else copy
+    with fa.stream(stream):
+        if how.startswith("to_cpu"):
+            host = src.to("cpu", non_blocking=True)
+            assert host.is_pinned()  # as on CUDA: a non-blocking D2H result is pinned
+        else:
+            host = make("registered" if how.startswith("registered") else "pin_memory")
+            host.copy_(src, non_blocking=True)
+        return host, stream.record_event()
+
+
+_D2H_ISSUES = ["copy_side", "copy_default", "to_cpu_side", "to_cpu_default", "registered_side"]
+_HOST_READS = {
+    "op": lambda p: p + 1,
+    "view_op": lambda p: p[1:].mean(),
+    "equal": lambda p: torch.equal(p, torch.arange(4.0)),
+    "clone": lambda p: p.clone(),
+    "item": lambda p: p[2].item(),
+    "float": lambda p: float(p[2]),
+    "tolist": lambda p: p.tolist(),
+    "repr": lambda p: repr(p),
+    "format": lambda p: f"{p}",
+    "host_copy_from": lambda p: torch.empty(4).copy_(p),
+    "to_dtype": lambda p: p.to(torch.float64),
+}
+
+
+@pytest.mark.parametrize("read", sorted(_HOST_READS))
+@pytest.mark.parametrize("issue", _D2H_ISSUES)
+def test_host_read_during_pending_d2h_into_pinned_memory_races(
+    streams, fake_device, pinned_host, issue, read
+):
+    """Reading pinned host memory that a non-blocking D2H copy is still writing races,
+    whatever the torch op (printing and tolist() included), on the default stream too."""
+    copy, _ = streams
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h(issue, copy, src, pinned_host)
+    with pytest.raises(fa.RaceError, match=_HOST_PENDING_D2H):
+        _HOST_READS[read](host)
+    assert fa.stats()["races_detected"] == 1
+    ev.synchronize()  # the right way: the host waits for the copy
+    assert host.tolist() == [0.0, 1.0, 2.0, 3.0]
+    _HOST_READS[read](host)
+    assert fa.stats()["races_detected"] == 1
+
+
+_HOST_WAITS = {
+    "event_synchronize": lambda copy, ev, src: ev.synchronize(),
+    "stream_synchronize": lambda copy, ev, src: copy.synchronize(),
+    "device_synchronize": lambda copy, ev, src: fa.synchronize(),
+    "event_query": lambda copy, ev, src: ev.query() or pytest.fail("no bandwidth: complete"),
+    "stream_query": lambda copy, ev, src: copy.query() or pytest.fail("no bandwidth: complete"),
+    # a blocking read on a stream that is itself ordered after the copy
+    "cpu_after_wait_event": lambda copy, ev, src: (fa.current_stream().wait_event(ev), src.cpu()),
+    "item_after_wait_event": lambda copy, ev, src: (
+        fa.current_stream().wait_event(ev),
+        src[0].item(),
+    ),
+    "tolist_after_wait_stream": lambda copy, ev, src: (
+        fa.current_stream().wait_stream(copy),
+        src.tolist(),
+    ),
+    "blocking_copy_on_same_stream": lambda copy, ev, src: _on(copy, lambda: src.cpu()),
+    "repr_on_same_stream": lambda copy, ev, src: _on(copy, lambda: repr(src)),
+}
+
+
+def _on(stream: fa.Stream, fn):
+    with fa.stream(stream):
+        return fn()
+
+
+@pytest.mark.parametrize("wait", sorted(_HOST_WAITS))
+def test_host_read_after_the_host_waited_for_the_d2h_is_fine(
+    streams, fake_device, pinned_host, wait
+):
+    copy, _ = streams
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+    _HOST_WAITS[wait](copy, ev, src)
+    for read in _HOST_READS.values():
+        read(host)
+    assert host.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert fa.stats()["races_detected"] == 0
+    assert not fa._host_pending  # nothing left to track
+
+
+def test_host_knowledge_is_transitive_through_stream_waits(streams, fake_device, pinned_host):
+    """A blocking read on ``other`` tells the host what ``other`` waited on: copy -> other."""
+    copy, _ = streams
+    other = fa.Stream()
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+    other.wait_event(ev)
+    with fa.stream(other):
+        torch.ones(1, device=fake_device).item()  # blocking on other, ordered after the copy
+    assert (host + 1).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert fa.stats()["races_detected"] == 0
+
+
+def test_a_stream_wait_or_an_unordered_blocking_read_does_not_tell_the_host(
+    streams, fake_device, pinned_host
+):
+    """``wait_event`` orders a stream, not the host; a blocking read on a stream that is not
+    ordered after the copy says nothing of it either."""
+    copy, default = streams
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+    torch.ones(2, device=fake_device).cpu()  # blocking on the default stream: unordered
+    with pytest.raises(fa.RaceError, match=_HOST_PENDING_D2H):
+        host.sum()
+    default.wait_event(ev)  # the default stream is ordered now, the host still is not
+    with pytest.raises(fa.RaceError, match=_HOST_PENDING_D2H):
+        host.sum()
+    src.cpu()  # a blocking read on the (now ordered) default stream: the host knows
+    assert host.sum().item() == 6.0
+    assert fa.stats()["races_detected"] == 2
+
+
+_H2D_ISSUES = ["to_side", "copy_side", "to_default", "registered_side"]
+_HOST_WRITES = {
+    "add_": lambda p: p.add_(1),
+    "zero_": lambda p: p.zero_(),
+    "fill_view": lambda p: p[1:3].fill_(7.0),
+    "copy_into": lambda p: p.copy_(torch.ones(4)),
+    "setitem": lambda p: p.__setitem__(0, 5.0),
+    "data_iadd": lambda p: p.data.__iadd__(1),
+    "out": lambda p: torch.add(torch.ones(4), 1, out=p),
+    "d2h_copy_into_on_default": lambda p: p.copy_(torch.ones(4, device="fakegpu")),
+}
+
+
+def _issue_h2d(how: str, copy: fa.Stream, make) -> tuple[torch.Tensor, torch.Tensor, fa.Event]:
+    """A non-blocking host->device copy from pinned memory; (source, device copy, event)."""
+    stream = fa.current_stream() if how.endswith("default") else copy
+    src = make("registered" if how.startswith("registered") else "pin_memory", (1.0, 2.0, 3.0, 4.0))
+    with fa.stream(stream):
+        if how.startswith("copy"):
+            dev = torch.empty(4, device="fakegpu")
+            dev.copy_(src, non_blocking=True)
+        else:
+            dev = src.to("fakegpu", non_blocking=True)
+        return src, dev, stream.record_event()
+
+
+@pytest.mark.parametrize("write", sorted(_HOST_WRITES))
+@pytest.mark.parametrize("issue", _H2D_ISSUES)
+def test_host_write_into_pinned_source_of_pending_h2d_races(
+    streams, fake_device, pinned_host, issue, write
+):
+    """Writing the pinned source of a pending non-blocking H2D copy races (the copy may
+    not have read it yet), by a host op or by a copy on a stream not ordered after it."""
+    copy, default = streams
+    src, dev, ev = _issue_h2d(issue, copy, pinned_host)
+    stream_write = write == "d2h_copy_into_on_default"
+    if stream_write and issue.endswith("default"):  # on the pending copy's own stream: ordered
+        _HOST_WRITES[write](src)
+        assert src.tolist() == [1.0] * 4 and fa.stats()["races_detected"] == 0
+        return
+    pattern = (
+        r"host-to-device copy \(seq \d+\) may still be reading it, written by "
+        r"device-to-host copy \(host read\) on stream 0 \(default\): no event wait"
+        if stream_write
+        else _HOST_PENDING_H2D
+    )
+    with pytest.raises(fa.RaceError, match=pattern):
+        _HOST_WRITES[write](src)
+    assert src.tolist() == [1.0, 2.0, 3.0, 4.0]  # the racing write did not run
+    assert fa.stats()["races_detected"] == 1
+    default.wait_event(ev)
+    assert dev.tolist() == [1.0, 2.0, 3.0, 4.0]  # blocking on a stream ordered after it
+    _HOST_WRITES[write](src)
+    assert fa.stats()["races_detected"] == 1
+
+
+@pytest.mark.parametrize(
+    "wait",
+    ["event_synchronize", "stream_synchronize", "device_synchronize", "cpu_after_wait_event"],
+)
+def test_host_write_after_the_host_waited_for_the_h2d_is_fine(
+    streams, fake_device, pinned_host, wait
+):
+    copy, _ = streams
+    src, dev, ev = _issue_h2d("to_side", copy, pinned_host)
+    _HOST_WAITS[wait](copy, ev, dev)
+    for write in _HOST_WRITES.values():
+        write(src)
+    assert fa.stats()["races_detected"] == 0
+
+
+def test_reading_the_source_of_a_pending_h2d_is_no_race(streams, fake_device, pinned_host):
+    copy, default = streams
+    src, dev, ev = _issue_h2d("to_side", copy, pinned_host)
+    for read in _HOST_READS.values():
+        read(src)
+    other = src.to(fake_device, non_blocking=True)  # a second reader on another stream
+    assert other.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert fa.stats()["races_detected"] == 0
+    with pytest.raises(fa.RaceError, match=_HOST_PENDING_H2D):  # still pending for writes
+        src.add_(1)
+    del dev, ev
+
+
+def test_host_write_during_pending_d2h_races(streams, fake_device, pinned_host):
+    """A host write into memory that a pending D2H copy writes: the copy would overwrite it."""
+    copy, _ = streams
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+    with pytest.raises(fa.RaceError, match=r"into it is still pending, written by aten\.fill_"):
+        host.fill_(9.0)
+    ev.synchronize()
+    host.fill_(9.0)
+    assert host.tolist() == [9.0] * 4 and fa.stats()["races_detected"] == 1
+
+
+def test_copies_on_a_pinned_buffer_are_ordered_by_streams_not_by_the_host(
+    streams, fake_device, pinned_host
+):
+    """Between copies, stream order is what counts: a copy on a stream ordered after a
+    pending copy of the same pinned buffer is fine although the host has not waited."""
+    copy, default = streams
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+    with pytest.raises(fa.RaceError, match=r"read by host-to-device copy on stream 0 \(default\)"):
+        host.to(fake_device, non_blocking=True)  # the default stream did not wait
+    with fa.stream(copy):  # the same stream: ordered
+        back = host.to(fake_device, non_blocking=True)
+    default.wait_event(ev)
+    again = host.to(fake_device)  # ordered after the copy; blocking: the host knows now
+    host.sum()
+    assert again.tolist() == [0.0, 1.0, 2.0, 3.0] and fa.stats()["races_detected"] == 1
+    default.wait_stream(copy)
+    assert back.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("show", ["repr", "str", "format", "print"])
+def test_printing_a_device_tensor_with_a_pending_copy_races(streams, fake_device, show, capsys):
+    copy, default = streams
+    with fa.stream(copy):
+        w = torch.arange(4.0).to(fake_device, non_blocking=True)
+        ev = copy.record_event()
+    do = {"repr": repr, "str": str, "format": lambda t: f"{t}", "print": print}[show]
+    pattern = (
+        rf"shape \(4,\), dtype torch.float32: {re.escape(_side(copy))} host-to-device copy "
+        r"\(seq \d+\) is still pending, read by repr\(\) \(host read\) on stream 0 \(default\)"
+    )
+    with pytest.raises(fa.RaceError, match=pattern):
+        do(w)
+    assert fa.stats()["races_detected"] == 1
+    with fa.stream(copy):  # on the copy's own stream: ordered
+        assert "0., 1., 2., 3." in repr(w)
+    default.wait_event(ev)
+    do(w)
+    assert fa.stats()["races_detected"] == 1
+
+
+@pytest.mark.parametrize("order", ["wait_event", "synchronize", "same_stream"])
+def test_printing_a_device_tensor_after_ordering_is_fine(streams, fake_device, order):
+    copy, default = streams
+    with fa.stream(copy):
+        w = torch.arange(4.0).to(fake_device, non_blocking=True)
+        ev = copy.record_event()
+    if order == "wait_event":
+        default.wait_event(ev)
+    elif order == "synchronize":
+        fa.synchronize()
+    with fa.stream(copy if order == "same_stream" else default):
+        assert "0., 1., 2., 3." in repr(w) and "fakegpu" in str(w)
+    assert fa.stats()["races_detected"] == 0
+
+
+def test_pageable_memory_is_never_pending(streams, fake_device):
+    """Copies to or from pageable host memory are synchronous for the host memory, as on
+    CUDA (staged H2D, synchronous D2H), so the host may touch it right away."""
+    copy, _ = streams
+    src = torch.ones(4)
+    assert not src.is_pinned()
+    with fa.stream(copy):
+        dev = src.to(fake_device, non_blocking=True)
+        out = torch.zeros(4)
+        out.copy_(dev, non_blocking=True)  # the device side waits on the copy stream itself
+    src.add_(1)
+    assert out.tolist() == [1.0] * 4
+    assert not fa._host_pending and fa.stats()["races_detected"] == 0
+
+
+def _host_mode_on() -> bool:
+    n = torch._C._len_torch_dispatch_stack()
+    return any(
+        isinstance(torch._C._get_dispatch_stack_at(i), fa._HostAccessMode) for i in range(n)
+    )
+
+
+def test_host_checks_cost_nothing_without_pending_copies(streams, fake_device, pinned_host):
+    """The host-op check (a dispatch mode) is pushed only while a pinned copy is pending,
+    and leaves at the host's next synchronize; other host tensors are untouched by it."""
+    copy, _ = streams
+    assert not _host_mode_on() and not fa._host_pending
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+    assert _host_mode_on() and len(fa._host_pending) == 1
+    other = torch.ones(4)
+    other.add_(1)  # untracked: no race, no entry
+    assert (other * 2).tolist() == [4.0] * 4 and len(fa._host_pending) == 1
+    ev.synchronize()
+    assert not _host_mode_on() and not fa._host_pending
+    host.sum()
+    # a freed pinned buffer with a pending copy is forgotten with it
+    host2, _ = _issue_d2h("copy_side", copy, src, pinned_host)
+    assert len(fa._host_pending) == 1
+    del host2
+    assert not fa._host_pending
+    fa.synchronize()  # src was read on the copy stream: order that before src is freed
+
+
+def test_host_mode_sits_below_a_users_dispatch_mode(streams, fake_device, pinned_host):
+    """A copy issued under a user's TorchDispatchMode pushes the host-op check beneath that
+    mode (the mode is stashed while its handler runs), so its ``__exit__`` still pops
+    itself; host ops under it are checked too, and the check leaves at the next sync."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    copy, _ = streams
+    src = torch.arange(4.0).to(fake_device)
+    with Passthrough() as user:
+        host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+        n = torch._C._len_torch_dispatch_stack()
+        assert torch._C._get_dispatch_stack_at(n - 1) is user and _host_mode_on()
+        with pytest.raises(fa.RaceError, match=_HOST_PENDING_D2H):
+            host.sum()
+    assert torch._C._len_torch_dispatch_stack() == 1 and _host_mode_on()
+    ev.synchronize()
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert host.sum().item() == 6.0
+
+
+def test_access_outside_torch_is_not_detected(streams, fake_device, pinned_host):
+    """Documented blind spot: ``.numpy()`` (and what shares its memory), ``data_ptr()``
+    and raw buffers bypass the dispatcher, so no race is seen there."""
+    copy, _ = streams
+    src = torch.arange(4.0).to(fake_device)
+    host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
+    assert host.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]  # a race on a GPU, unseen here
+    assert fa.stats()["races_detected"] == 0
+    ev.synchronize()
+
+
+def test_host_races_on_the_plain_path_without_side_streams():
+    """Without any side stream (no stream model at all), a non-blocking copy with pinned
+    memory on the default stream is still pending for the host, as on CUDA."""
+    code = (
+        "import torch\n"
+        "from diffusion_offload.testing import fake_accelerator as fa\n"
+        "dev = fa.install()\n"
+        "d = torch.arange(4.0).to(dev)\n"
+        "p = torch.zeros(4).pin_memory()\n"
+        "p.copy_(d, non_blocking=True)\n"
+        "try:\n"
+        "    p.sum()\n"
+        "except fa.RaceError as e:\n"
+        "    assert 'stream 0 (default) device-to-host copy' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no race')\n"
+        "d.sum().item()  # blocking on the default stream: the host knows the copy\n"
+        "assert p.tolist() == [0.0, 1.0, 2.0, 3.0]\n"
+        "y = d.to('cpu', non_blocking=True)\n"
+        "assert y.is_pinned()\n"
+        "try:\n"
+        "    repr(y)\n"
+        "except fa.RaceError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('no race')\n"
+        "torch.fakegpu.synchronize()\n"
+        "assert repr(y) and not fa._host_pending\n"
+        "q = torch.ones(4).pin_memory()\n"
+        "w = q.to(dev, non_blocking=True)\n"
+        "q.sum()  # read-read: fine\n"
+        "try:\n"
+        "    q.mul_(2)\n"
+        "except fa.RaceError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('no race')\n"
+        "w.cpu()\n"
+        "q.mul_(2)\n"
+        "assert not fa._model_on and not fa._tracked, 'model path used'\n"
+        "assert fa.stats()['races_detected'] == 3\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

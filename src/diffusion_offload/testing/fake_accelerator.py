@@ -51,6 +51,27 @@ What it gives a test that a CPU run cannot:
   Storages only ever used on the default stream stay untracked; until the first side
   stream is created (or a bandwidth set) ops take the plain path with no stream
   bookkeeping at all.
+* **Host-side races on pinned memory.** The host is a participant of its own: its clock
+  (what it knows complete) advances only by ``synchronize()``, ``Stream.synchronize``,
+  ``Event.synchronize``, a ``query()`` returning True, or a blocking copy/``.item()``/
+  ``.cpu()``/``.tolist()`` on a stream, which brings in everything that stream was
+  ordered after (its waits, transitively). A ``non_blocking`` copy between the device and
+  a pinned host storage (``pin_memory()``, ``host_register``, the pinned result of
+  ``t.to("cpu", non_blocking=True)``) is *pending* on the host side until the host's
+  clock covers it, on the default stream too (on CUDA such a copy is asynchronous to
+  the host on any stream). While one is pending, any torch op on the host that reads a
+  storage a pending device-to-host copy writes, or writes one that a pending copy reads
+  or writes, raises ``RaceError``; so does ``repr()``/``print``/``.tolist()`` of it, and a
+  copy on a stream not ordered after the pending one. Reading the source of a pending
+  host-to-device copy is no race. Host ops are seen through a ``TorchDispatchMode`` pushed
+  on the issuing thread only while such copies are pending (never on top of another
+  active mode: a copy issued under a user's mode puts it beneath that mode); it costs
+  nothing when none is pending. Copies to or from pageable memory are
+  synchronous for host memory, as on CUDA, and never pending. Not seen: access outside
+  torch (``.numpy()`` and the arrays it shares memory with, ``data_ptr()``, buffers,
+  ``torch.save``), and ops on another thread than the one that issued the copy.
+  ``repr()`` of a ``fakegpu`` tensor is a blocking host read on the current stream: it
+  raises ``RaceError`` if the tensor's writer on another stream is not ordered before it.
 * **Copy time.** ``set_copy_bandwidth(bytes_per_second)`` makes host<->device copies
   take ``nbytes / bytes_per_second`` seconds of virtual time per stream: a
   ``non_blocking`` copy on a side stream returns at once, a blocking copy or any copy on
@@ -76,6 +97,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "DEVICE_TYPE",
@@ -231,7 +253,15 @@ class FakeDeviceTensor(torch.Tensor):
         out._inner = inner
         return out
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        """The values, read as CUDA prints: a blocking host read on the current stream.
+
+        Raises:
+            RaceError: the tensor's last writer on another stream (a pending copy) is not
+                ordered before the current stream or known complete by the host.
+        """
+        if _model_on:
+            _blocking_device_read(self, "repr() (host read)")
         return f"FakeDeviceTensor({self._inner!r}, device='{_DEVICE}')"
 
     def tolist(self) -> Any:
@@ -281,7 +311,46 @@ def _dispatch(func, args, kwargs):
         return _dispatch_modelled(func, args, kwargs)
     if func is _aten.record_stream.default:
         return _record_stream(args[0], args[1])
+    if func in _TRANSFER_OPS:
+        return _dispatch_transfer_plain(func, args, kwargs)
     return _dispatch_plain(func, args, kwargs)
+
+
+def _dispatch_transfer_plain(func, args, kwargs):
+    """A copy or host read outside the stream model (only the default stream exists).
+
+    Only its host side is modelled: a non-blocking copy with a pinned host storage takes
+    the default stream's next seq and stays pending for the host until a synchronize or
+    a blocking copy; with nothing pending and nothing non-blocking it is ``_dispatch_plain``.
+
+    Raises:
+        RaceError: the copy races a pending copy from or into the same pinned host storage.
+    """
+    info = _host_transfer(func, args, kwargs)
+    if info is None or not (_host_pending or info[2]):
+        return _dispatch_plain(func, args, kwargs)
+    host, write, non_blocking, op = info
+    T = _default_stream
+    if host is None:  # _to_copy to the host (a pinned result when non-blocking), .item()
+        pending = non_blocking
+    else:
+        pinned, non_blocking = _host_begin(T, host, write, non_blocking, op)
+        pending = pinned and non_blocking
+    if pending:
+        with _lock:
+            seq = T._clock[0] + 1
+            T._clock[0] = seq
+    out = _dispatch_plain(func, args, kwargs)
+    if pending:
+        if host is None:  # t.to("cpu", non_blocking=True): a pinned result, as on CUDA
+            host = out
+            _mark_pinned(out)
+        _host_note(T, seq, host, write, op)
+    elif not non_blocking and _host_pending:
+        with _lock:
+            _merge(_done, T._clock)
+            _prune_host()
+    return out
 
 
 def _dispatch_plain(func, args, kwargs):
@@ -546,15 +615,23 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``aten::_copy_from`` for copies that reach the backend below Python dispatch
     (``torch.tensor(data, device="fakegpu")`` copies this way)."""
+    host_side = _is_host_tensor(self) != _is_host_tensor(dst)
     if _model_on:
         if _deferred:
             _raise_deferred()
         T = _current()
         accesses, transfer, op = _copy_accesses(dst, self)
-        _begin_op(T, accesses, op)
+        host = (self if transfer == "h2d" else dst) if host_side else None
+        pinned, non_blocking = _host_begin(T, host, transfer == "d2h", non_blocking, op)
+        seq = _begin_op(T, accesses, op)
         _copy_from_plain(self, dst)
+        if pinned and non_blocking:
+            _host_note(T, seq, host, transfer == "d2h", op)
         if transfer is not None:
             _after_transfer(T, _nbytes(dst), non_blocking)
+        return dst
+    if host_side and (non_blocking or _host_pending):
+        _dispatch_transfer_plain(_aten.copy_.default, (dst, self, non_blocking), {})
         return dst
     return _copy_from_plain(self, dst)
 
@@ -597,16 +674,24 @@ def _linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memor
 def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
     out = torch.empty_like(self, memory_format=torch.preserve_format)
     out.copy_(self)
-    key = out.untyped_storage().data_ptr()
-    with _lock:
-        _counters.pinned.add(key)
-    weakref.finalize(out.untyped_storage(), _unpin, key)
+    _mark_pinned(out)
     return out
 
 
+def _mark_pinned(t: torch.Tensor) -> None:
+    """Remember the host storage of ``t`` as pinned until that storage is freed."""
+    key = t.untyped_storage().data_ptr()
+    with _lock:
+        _counters.pinned.add(key)
+    weakref.finalize(t.untyped_storage(), _unpin, key)
+
+
 def _unpin(key: int) -> None:
+    """The storage at ``key`` is pageable again (unregistered or freed): its pending
+    copies are no longer tracked."""
     with _lock:
         _counters.pinned.discard(key)
+        _host_pending.pop(key, None)
 
 
 def _is_pinned(self: torch.Tensor, device=None) -> bool:
@@ -625,7 +710,10 @@ class RaceError(RuntimeError):
     Raised by the op (or the stream/event call) that would race on a real GPU: a read or
     write of a tensor whose writer on another stream is not ordered before it, a write
     over a pending use on another stream, or (raised at the next ``fakegpu`` call) the
-    free of a tensor still in use on a stream other than the one it was allocated on.
+    free of a tensor still in use on a stream other than the one it was allocated on. On
+    the host side: a torch op (``repr()`` and ``.tolist()`` included) reading a pinned host
+    tensor that a pending non-blocking device-to-host copy writes, or writing one that a
+    pending copy reads or writes, before the host waited for that copy.
     """
 
 
@@ -810,6 +898,8 @@ class Stream(torch.Stream):
         if not isinstance(event, Event):
             raise TypeError(f"expected a {DEVICE_TYPE} Event, got {type(event).__name__}")
         _raise_deferred()
+        if not _host_pending:
+            _maybe_pop_host_mode()
         with _lock:
             _counters.stream_waits += 1
             if event._clock is None:
@@ -826,6 +916,8 @@ class Stream(torch.Stream):
             RaceError: a race found at an earlier free is pending.
         """
         _raise_deferred()
+        if not _host_pending:
+            _maybe_pop_host_mode()
         other = _as_stream(stream)
         with _lock:
             _counters.stream_waits += 1
@@ -866,6 +958,7 @@ class Stream(torch.Stream):
         with _lock:
             ready = self._busy_until
             _merge(_done, self._clock)
+        _host_settle_point()
         _sleep_until(ready)
 
     def query(self) -> bool:
@@ -877,7 +970,8 @@ class Stream(torch.Stream):
             if time.perf_counter() < self._busy_until:
                 return False
             _merge(_done, self._clock)
-            return True
+        _host_settle_point()
+        return True
 
     def __enter__(self) -> "Stream":
         _push_stream(self)
@@ -932,6 +1026,8 @@ class Event:
             ValueError, TypeError: ``stream`` is not a fakegpu stream.
         """
         _raise_deferred()
+        if not _host_pending:
+            _maybe_pop_host_mode()
         s = _current() if stream is None else _as_stream(stream)
         with _lock:
             self._clock = dict(s._clock)
@@ -954,6 +1050,7 @@ class Event:
             return
         with _lock:
             _merge(_done, self._clock)
+        _host_settle_point()
         _sleep_until(self._ready)
 
     def query(self) -> bool:
@@ -967,7 +1064,8 @@ class Event:
             if time.perf_counter() < self._ready:
                 return False
             _merge(_done, self._clock)
-            return True
+        _host_settle_point()
+        return True
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Virtual milliseconds between this event's and ``end_event``'s completion.
@@ -1112,13 +1210,17 @@ def _dispatch_modelled(func, args, kwargs):
         return _record_stream(args[0], args[1])
     T = _current()
     transfer = None
-    non_blocking = False
+    non_blocking = pinned = False
+    host = None
     if func is _aten.copy_.default:
         accesses, transfer, op = _copy_accesses(args[0], args[1])
         non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        if transfer is not None:
+            host = args[1] if transfer == "h2d" else args[0]
+            pinned, non_blocking = _host_begin(T, host, transfer == "d2h", non_blocking, op)
     elif func is _aten._to_copy.default and _device_kwarg_is_host(kwargs):
         accesses, transfer, op = [(args[0], False)], "d2h", "device-to-host copy (host read)"
-        non_blocking = bool(kwargs.get("non_blocking", False))
+        non_blocking = pinned = bool(kwargs.get("non_blocking", False))  # a pinned result
     elif func is _aten._local_scalar_dense.default:
         accesses, transfer, op = [(args[0], False)], "d2h", "host read (.item())"
     else:
@@ -1146,8 +1248,13 @@ def _dispatch_modelled(func, args, kwargs):
             nbytes = _nbytes(args[0])
         elif func is _aten._to_copy.default:
             nbytes = _nbytes(out)
+            if non_blocking:  # as on CUDA: the result is pinned, the copy pending for the host
+                host = out
+                _mark_pinned(out)
         else:
             nbytes = args[0].element_size()
+        if pinned and non_blocking:
+            _host_note(T, seq, host, transfer == "d2h", op)
         _after_transfer(T, nbytes, non_blocking)
     return out
 
@@ -1246,6 +1353,8 @@ def _after_transfer(T: Stream, nbytes: int, non_blocking: bool) -> None:
             return  # pending: the host goes on
         if not non_blocking:  # the host waits for the stream up to this copy
             _merge(_done, T._clock)
+            if _host_pending:
+                _prune_host()
         end = T._busy_until
     _sleep_until(end)
 
@@ -1304,6 +1413,340 @@ def _check_free(st: _StorageUse) -> None:
                 f"free, raised at the next fakegpu call)"
             )
             return
+
+
+# ----------------------------------------------------------------------------- host side
+#
+# The host is a participant of the vector clock model: ``_done`` is its clock (per stream,
+# the highest seq it knows complete). A non-blocking copy between the device and a pinned
+# host storage is noted in ``_host_pending`` (keyed by the storage's data pointer, like
+# ``_counters.pinned``) until the host's clock covers it; only such storages are looked
+# up, so an op on any other tensor costs one dict lookup per tensor argument. Host ops
+# are seen by ``_HostAccessMode``, pushed on the issuing thread while copies are pending.
+
+_TRANSFER_OPS = frozenset(
+    {_aten.copy_.default, _aten._to_copy.default, _aten._local_scalar_dense.default}
+)
+_HOST_WAITS = (
+    "the host had not waited for it (Event.synchronize, Stream.synchronize, "
+    "synchronize(), or a blocking copy/.item()/.cpu() on a stream ordered after it)"
+)
+
+
+class _HostUse:
+    """Pending non-blocking copies from or into one pinned host storage."""
+
+    __slots__ = ("reads", "writes")
+
+    def __init__(self) -> None:
+        self.reads: dict[int, tuple[int, str]] = {}  # stream id -> (seq, op): copies reading it
+        self.writes: dict[int, tuple[int, str]] = {}  # stream id -> (seq, op): copies into it
+
+
+_host_pending: dict[int, _HostUse] = {}  # host storage data_ptr -> its pending copies
+_host_watched: set[int] = set()  # storages whose free forgets their entry (one finalizer each)
+_fake_types: dict[type, bool] = {}  # tensor type -> dispatches as FakeDeviceTensor
+
+
+def _host_key(t: torch.Tensor) -> int:
+    """The data pointer of host tensor ``t``'s storage (0: none, e.g. sparse or meta)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+def _host_transfer(func, args, kwargs):
+    """(host tensor or None, whether the host memory is written, non_blocking, op name)
+    of a transfer op (``copy_``, ``_to_copy`` to the host, ``.item()``); None if ``func``
+    moves no data between host and device. The host tensor is None for a new result
+    (``_to_copy``) and for ``.item()``."""
+    if func is _aten.copy_.default:
+        dst, src = args[0], args[1]
+        nb = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(src):
+            return src, False, nb, "host-to-device copy"
+        if _is_host_tensor(dst) and isinstance(src, FakeDeviceTensor):
+            return dst, True, nb, "device-to-host copy (host read)"
+        return None
+    if func is _aten._to_copy.default:
+        if not _device_kwarg_is_host(kwargs):
+            return None
+        nb = bool(kwargs.get("non_blocking", False))
+        return None, True, nb, "device-to-host copy (host read)"
+    return None, False, False, "host read (.item())"
+
+
+def _host_begin(T: "Stream", host: Any, write: bool, non_blocking: bool, op: str):
+    """Check the host side of a copy about to run on ``T``: returns (whether ``host`` is
+    pinned, the effective non_blocking: a copy into pageable memory completes before it
+    returns, as on CUDA).
+
+    Raises:
+        RaceError: the copy races a pending copy from or into the same host storage.
+    """
+    if host is None:
+        return False, non_blocking
+    key = _host_key(host)
+    if key in _host_pending:
+        _host_check(host, write, op, T, key)
+    pinned = non_blocking and key != 0 and key in _counters.pinned
+    if non_blocking and write and not pinned:
+        non_blocking = False
+    return pinned, non_blocking
+
+
+def _host_conflict(e: _HostUse, x: torch.Tensor, write: bool, op: str, T: "Stream | None"):
+    """The race message if accessing ``x`` (``T``: by a copy on that stream; None: by the
+    host) races a pending copy of ``e``; else None (lock held)."""
+    sid = None if T is None else T._sid
+    clock = None if T is None else T._clock
+
+    def known(u: int) -> int:
+        k = _done.get(u, 0)
+        return k if clock is None else max(k, clock.get(u, 0))
+
+    what = f"fakegpu race on a pinned host tensor of shape {tuple(x.shape)}, dtype {x.dtype}: "
+    if T is None:
+        who, why = "on the host", _HOST_WAITS
+    else:
+        who = f"on {_sname(sid)}"
+        why = "no event wait (wait_event/wait_stream) or synchronize ordered it after that copy"
+    for u, (w, wop) in e.writes.items():
+        if u != sid and w > known(u):
+            return (
+                f"{what}{_sname(u)} {wop} (seq {w}) into it is still pending, "
+                f"{'written' if write else 'read'} by {op} {who}: {why}"
+            )
+    if write:
+        for u, (r, rop) in e.reads.items():
+            if u != sid and r > known(u):
+                return (
+                    f"{what}{_sname(u)} {rop} (seq {r}) may still be reading it, written by "
+                    f"{op} {who}: {why}"
+                )
+    return None
+
+
+def _host_settled(e: _HostUse) -> bool:
+    """Whether the host knows every copy of ``e`` complete (lock held)."""
+    for d in (e.writes, e.reads):
+        for u, (seq, _) in d.items():
+            if seq > _done.get(u, 0):
+                return False
+    return True
+
+
+def _prune_host() -> None:
+    """Forget the pending copies the host now knows complete (lock held)."""
+    # a copy first: a finalizer run by the garbage collector may forget an entry meanwhile
+    for key, e in _host_pending.copy().items():
+        if _host_settled(e):
+            _host_pending.pop(key, None)
+
+
+def _host_check(
+    x: torch.Tensor, write: bool, op: str, T: "Stream | None" = None, key: int | None = None
+) -> None:
+    """Raise ``RaceError`` if ``op`` reading (or writing) host tensor ``x`` races a pending
+    copy from or into its storage; ``T``: the stream of a copy, None for a host op;
+    ``key``: ``_host_key(x)`` when the caller has it.
+
+    Raises:
+        RaceError: see above.
+    """
+    if key is None:
+        key = _host_key(x)
+    if key not in _host_pending:
+        return
+    with _lock:
+        e = _host_pending.get(key)
+        if e is None:
+            return
+        msg = _host_conflict(e, x, write, op, T)
+        if msg is None:
+            if _host_settled(e):
+                del _host_pending[key]
+            return
+        _counters.races_detected += 1
+    raise RaceError(msg)
+
+
+def _host_forget(key: int) -> None:
+    with _lock:
+        _host_pending.pop(key, None)
+        _host_watched.discard(key)
+
+
+def _host_note(T: "Stream", seq: int, x: torch.Tensor, write: bool, op: str = "") -> None:
+    """Note a non-blocking copy (seq ``seq`` on ``T``) reading or writing pinned host
+    tensor ``x``: pending for the host until its clock covers ``seq``."""
+    key = _host_key(x)
+    if key == 0:
+        return
+    with _lock:
+        e = _host_pending.get(key)
+        if e is None:
+            e = _host_pending[key] = _HostUse()
+        if write:
+            e.writes[T._sid] = (seq, "device-to-host copy")
+        else:
+            e.reads[T._sid] = (seq, "host-to-device copy")
+        if key not in _host_watched:
+            _host_watched.add(key)
+            weakref.finalize(x.untyped_storage(), _host_forget, key)
+    _ensure_host_mode()
+
+
+def _is_fake_type(t: type) -> bool:
+    r = _fake_types.get(t)
+    if r is None:
+        r = _fake_types[t] = isinstance(t, type) and issubclass(t, FakeDeviceTensor)
+    return r
+
+
+def _check_host_op(func, args, kwargs) -> None:
+    """Raise ``RaceError`` if a host op (no ``fakegpu`` tensor) touches a host storage
+    that a pending copy writes, or writes one that a pending copy reads.
+
+    One storage lookup per tensor argument; the op's schema is read only on a hit.
+
+    Raises:
+        RaceError: as above.
+    """
+    pending = _host_pending
+    hit = False
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if isinstance(a, FakeDeviceTensor):
+                return  # a device op: its host arguments are checked as copies on its stream
+            if _host_key(a) in pending:
+                hit = True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    if isinstance(b, FakeDeviceTensor):
+                        return
+                    if _host_key(b) in pending:
+                        hit = True
+    if not hit:
+        return
+    kind = _op_kind(func)
+    if kind is None or _device_kwarg_is_fake(kwargs):
+        return  # no data access; or a copy to the device (checked as a copy on its stream)
+    pos, names, op = kind
+    for i, a in enumerate(args):
+        for b in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(b, torch.Tensor) and b.is_cpu:
+                _host_check(b, i in pos, op)
+    for k, v in kwargs.items():
+        for b in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(b, torch.Tensor) and b.is_cpu:
+                _host_check(b, k in names, op)
+
+
+def _device_kwarg_is_fake(kwargs: dict) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == DEVICE_TYPE
+
+
+class _HostAccessMode(TorchDispatchMode):
+    """Sees the host ops of the thread it is pushed on, while host copies are pending.
+
+    An op on ``fakegpu`` tensors goes straight to their dispatch (no second trip through
+    the dispatcher); any other op is checked against the pending copies, then run, or
+    raises ``RaceError`` (see ``_check_host_op``). Ignored by ``torch.compile`` while
+    compiling (it runs for the compiled code).
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        if kwargs is None:
+            kwargs = {}
+        if types and all(_is_fake_type(t) for t in types):
+            return _dispatch(func, args, kwargs)
+        if _host_pending:
+            _check_host_op(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _ensure_host_mode() -> None:
+    """Push ``_HostAccessMode`` on this thread if it is not there yet. Not pushed over
+    another active dispatch mode (leaving that mode's ``__exit__`` its own stack)."""
+    if getattr(_tls, "host_mode", None) is not None:
+        return
+    if torch._C._len_torch_dispatch_stack():
+        return
+    mode = _HostAccessMode()
+    torch._C._push_on_torch_dispatch_stack(mode)
+    _tls.host_mode = mode
+
+
+def _maybe_pop_host_mode() -> None:
+    """Pop this thread's ``_HostAccessMode`` once no host copy is pending (when it is on
+    top of the stack; inside its own handler it is not, and waits for a later call)."""
+    mode = getattr(_tls, "host_mode", None)
+    if mode is None or _host_pending:
+        return
+    n = torch._C._len_torch_dispatch_stack()
+    if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
+        torch._C._pop_torch_dispatch_stack(None)
+        _tls.host_mode = None
+
+
+def _host_settle_point() -> None:
+    """After the host's clock advanced outside an op: forget what completed, pop the mode."""
+    if _host_pending:
+        with _lock:
+            _prune_host()
+    _maybe_pop_host_mode()
+
+
+def _blocking_device_read(x: FakeDeviceTensor, op: str) -> None:
+    """A blocking host read of ``x`` on the current stream (``repr``): checked like an op,
+    then the host knows that stream's work complete.
+
+    Raises:
+        RaceError: ``x``'s last writer on another stream is not ordered before it.
+    """
+    T = _current()
+    _begin_op(T, [(x, False)], op)
+    with _lock:
+        _merge(_done, T._clock)
+        if _host_pending:
+            _prune_host()
+
+
+_TENSOR_REPR = torch.Tensor.__repr__
+_TENSOR_TOLIST = torch.Tensor.tolist
+
+
+@torch.compiler.disable
+def _host_repr(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
+    """``Tensor.__repr__`` (installed by ``install``): printing a host tensor reads it,
+    outside the dispatcher's view (torch disables dispatch modes while printing).
+
+    Raises:
+        RaceError: a pending device-to-host copy into it is not known complete.
+    """
+    if _host_pending and self.is_cpu:
+        _host_check(self, False, "repr() (host read)")
+    return _TENSOR_REPR(self, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _host_tolist(self: torch.Tensor) -> Any:
+    """``Tensor.tolist`` (installed by ``install``), which reads host memory directly.
+
+    Raises:
+        RaceError: a pending device-to-host copy into it is not known complete.
+    """
+    if _host_pending and self.is_cpu:
+        _host_check(self, False, "tolist() (host read)")
+    return _TENSOR_TOLIST(self)
 
 
 class _BackendModule:
@@ -1440,6 +1883,8 @@ def install() -> torch.device:
         cpu_lib.impl("is_pinned", _is_pinned)
         _libs.extend([dev_lib, cpu_lib])
         torch.Tensor.data = property(_data_get, _data_set)  # type: ignore[assignment]
+        torch.Tensor.__repr__ = _host_repr  # type: ignore[method-assign]
+        torch.Tensor.tolist = _host_tolist  # type: ignore[method-assign]
         _installed = True
         return _DEVICE
 
@@ -1505,7 +1950,8 @@ def reset_stats() -> None:
 
     Races found at frees and not yet raised are dropped too (the ``fake_device`` test
     fixture calls this first, so a race left by an earlier test does not fail the next).
-    Stream ordering state (what each stream has waited on) is kept.
+    Stream ordering state (what each stream has waited on, the copies still pending for
+    the host) is kept.
     """
     with _lock:
         _counters.peak_bytes = _counters.allocated_bytes
@@ -1517,6 +1963,7 @@ def reset_stats() -> None:
         _counters.events = 0
         _counters.races_detected = 0
         _deferred.clear()
+    _maybe_pop_host_mode()
 
 
 def reset_peak() -> None:
@@ -1558,5 +2005,6 @@ def synchronize() -> None:
         for s in _streams.values():
             _merge(_done, s._clock)
             ready = max(ready, s._busy_until)
+    _host_settle_point()
     _sleep_until(ready)
     _raise_deferred()
