@@ -898,8 +898,6 @@ class Stream(torch.Stream):
         if not isinstance(event, Event):
             raise TypeError(f"expected a {DEVICE_TYPE} Event, got {type(event).__name__}")
         _raise_deferred()
-        if not _host_pending:
-            _maybe_pop_host_mode()
         with _lock:
             _counters.stream_waits += 1
             if event._clock is None:
@@ -916,8 +914,6 @@ class Stream(torch.Stream):
             RaceError: a race found at an earlier free is pending.
         """
         _raise_deferred()
-        if not _host_pending:
-            _maybe_pop_host_mode()
         other = _as_stream(stream)
         with _lock:
             _counters.stream_waits += 1
@@ -1026,8 +1022,6 @@ class Event:
             ValueError, TypeError: ``stream`` is not a fakegpu stream.
         """
         _raise_deferred()
-        if not _host_pending:
-            _maybe_pop_host_mode()
         s = _current() if stream is None else _as_stream(stream)
         with _lock:
             self._clock = dict(s._clock)
@@ -1422,7 +1416,8 @@ def _check_free(st: _StorageUse) -> None:
 # host storage is noted in ``_host_pending`` (keyed by the storage's data pointer, like
 # ``_counters.pinned``) until the host's clock covers it; only such storages are looked
 # up, so an op on any other tensor costs one dict lookup per tensor argument. Host ops
-# are seen by ``_HostAccessMode``, pushed on the issuing thread while copies are pending.
+# are seen by ``_HostAccessMode``, pushed by ``install()`` (and on another thread at its
+# first pinned copy) and never popped (see ``_ensure_host_mode``).
 
 _TRANSFER_OPS = frozenset(
     {_aten.copy_.default, _aten._to_copy.default, _aten._local_scalar_dense.default}
@@ -1674,8 +1669,15 @@ class _HostAccessMode(TorchDispatchMode):
 
 
 def _ensure_host_mode() -> None:
-    """Push ``_HostAccessMode`` on this thread if it is not there yet. Not pushed over
-    another active dispatch mode (leaving that mode's ``__exit__`` its own stack)."""
+    """Push ``_HostAccessMode`` on this thread if it is not there yet; it stays for good.
+
+    ``install()`` pushes it on the installing thread, at the bottom of the stack; another
+    thread gets it at its first pinned copy. It is never popped: a pop inside a context
+    that restores the thread's dispatch key set on exit (``torch.inference_mode``,
+    ``no_grad``, a subclass's ``__torch_dispatch__``) would leave the Python dispatch
+    key enabled over an empty mode stack, which breaks every later factory call. Not
+    pushed over another active dispatch mode (leaving that mode's ``__exit__`` its own
+    stack): that thread's host ops are then unchecked."""
     if getattr(_tls, "host_mode", None) is not None:
         return
     if torch._C._len_torch_dispatch_stack():
@@ -1685,24 +1687,11 @@ def _ensure_host_mode() -> None:
     _tls.host_mode = mode
 
 
-def _maybe_pop_host_mode() -> None:
-    """Pop this thread's ``_HostAccessMode`` once no host copy is pending (when it is on
-    top of the stack; inside its own handler it is not, and waits for a later call)."""
-    mode = getattr(_tls, "host_mode", None)
-    if mode is None or _host_pending:
-        return
-    n = torch._C._len_torch_dispatch_stack()
-    if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
-        torch._C._pop_torch_dispatch_stack(None)
-        _tls.host_mode = None
-
-
 def _host_settle_point() -> None:
-    """After the host's clock advanced outside an op: forget what completed, pop the mode."""
+    """After the host's clock advanced outside an op: forget what completed."""
     if _host_pending:
         with _lock:
             _prune_host()
-    _maybe_pop_host_mode()
 
 
 def _blocking_device_read(x: FakeDeviceTensor, op: str) -> None:
@@ -1886,6 +1875,7 @@ def install() -> torch.device:
         torch.Tensor.__repr__ = _host_repr  # type: ignore[method-assign]
         torch.Tensor.tolist = _host_tolist  # type: ignore[method-assign]
         _installed = True
+        _ensure_host_mode()  # at the bottom of this thread's mode stack, for good
         return _DEVICE
 
 
@@ -1963,7 +1953,6 @@ def reset_stats() -> None:
         _counters.events = 0
         _counters.races_detected = 0
         _deferred.clear()
-    _maybe_pop_host_mode()
 
 
 def reset_peak() -> None:
