@@ -488,3 +488,48 @@ def test_a_weight_tied_between_two_dits_follows_whichever_is_resident(fake_devic
         resident = [n for n in ("transformer", "transformer_2") if backend.components[n].resident]
         assert (tied.device == fake_device) == bool(resident)
     assert _races() == 0
+
+
+class _Branch(torch.nn.Module):
+    """A LoRA-like branch around a Linear, its tensors created on the host."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.base = base
+        self.down = torch.nn.Linear(base.in_features, 2, bias=False)
+        self.up = torch.nn.Linear(2, base.out_features, bias=False)
+        with torch.no_grad():
+            self.down.weight.copy_(torch.randn(self.down.weight.shape, generator=g))
+            self.up.weight.copy_(torch.randn(self.up.weight.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def _first_linear(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    for name, sub in module.named_modules():
+        for child_name, child in sub.named_children():
+            if isinstance(child, torch.nn.Linear):
+                return sub, child_name
+    raise AssertionError("no Linear")
+
+
+def test_a_branch_added_to_a_resident_encoder_is_loaded_at_its_stage(fake_device):
+    """Ample budget: the text encoder is resident since enable; a LoRA-like branch
+    (host tensors) added to it is loaded when the encoder's stage runs (its structural
+    change is adopted before the policy makes room, and the adopted tensors still load)."""
+    from diffusion_offload.testing.toy import ToyPipeline
+
+    g = torch.Generator().manual_seed(3)
+    ids, image = torch.randint(0, 32, (2, 5), generator=g), torch.randn(2, 16, generator=g)
+    ref, pipe = ToyPipeline().to(fake_device), ToyPipeline()
+    with ModelLevelOffloadBackend(FULL, fake_device, device_memory_budget=1 << 40) as backend:
+        backend.enable(pipe)
+        for p in (ref, pipe):
+            parent, name = _first_linear(p.encoders["text"])
+            setattr(parent, name, _Branch(getattr(parent, name)))
+        ref.to(fake_device)
+        assert torch.equal(pipe(ids, image, device=fake_device), ref(ids, image, device=fake_device))
+        assert backend.audit() == []
+    assert fa.stats()["races_detected"] == 0

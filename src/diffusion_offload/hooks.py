@@ -111,6 +111,24 @@ class SequentialOffloadHook:
             ))
         return not any(c.resident or c.generation != c.synced for c in self.exclusion)
 
+    def _take_structural_changes(self) -> list[ComponentWeights]:
+        """Adopt the group's structural changes (a LoRA) before the policy makes room, so
+        the room made is the room its load needs and a grown group raises the budget in
+        force instead of overrunning it (see ``policy``). Returns the members synced: their
+        new tensors are still on the host, so they load even if resident."""
+        grown = []
+        for member in self.group:
+            if member.generation != member.synced:
+                txn = Transaction()
+                try:
+                    member.sync(txn)
+                except BaseException:
+                    txn.rollback()
+                    raise
+                txn.commit()
+                grown.append(member)
+        return grown
+
     def _evict_for_budget(self) -> bool:
         policy = self.policy
         assert policy is not None
@@ -118,18 +136,6 @@ class SequentialOffloadHook:
             # after a decode ran out of memory beside them, evict what its retry evicted
             targets = [c for c in policy.components.values() if c.selected] if policy.decode_needs_room else []
         else:
-            # structural changes of the group (a LoRA) are taken in first, so the room
-            # made is the room its load needs, and a grown group raises the budget in
-            # force instead of overrunning it (see ``policy``)
-            for member in self.group:
-                if member.generation != member.synced:
-                    txn = Transaction()
-                    try:
-                        member.sync(txn)
-                    except BaseException:
-                        txn.rollback()
-                        raise
-                    txn.commit()
             policy.refresh_budget()
             targets = policy.victims(self.group, list(policy.components.values()))
         moved = False
@@ -151,7 +157,10 @@ class SequentialOffloadHook:
         with self.lock:
             moved = False
             policy = self.policy
+            grown: list[ComponentWeights] = []
             if self.budgeted:
+                if self.component.role != "vae":
+                    grown = self._take_structural_changes()
                 moved = self._evict_for_budget()
             else:
                 for other in self.exclusion:
@@ -161,7 +170,7 @@ class SequentialOffloadHook:
                 # whatever evicted a prefetched member, its own ``pending`` says whether
                 # a load is in flight: never a stale record that skips the load
                 member.finish_pending()
-                if not member.ready:
+                if not member.ready or member in grown:
                     moved = bool(member.load()) or moved
             if self.budgeted:
                 policy.prefetch_next(self.group, policy.group_of)  # type: ignore[union-attr]
