@@ -87,7 +87,6 @@ def _q(pipe) -> torch.nn.Parameter:
     return pipe.text_encoder.encoder.block[0].layer[0].SelfAttention.q.weight
 
 
-@pytest.mark.slow
 def test_reads_writes_and_replacements_between_requests_are_ordered_after_the_prefetch(fake_device):
     """The decode prefetches the next request's text encoder on the copy stream; when the
     request returns, the caller reads it, prints it, writes it in place and replaces a
@@ -137,7 +136,6 @@ def text_encoder_lora() -> dict[str, torch.Tensor]:
     return {f"text_encoder.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(te).items()}
 
 
-@pytest.mark.slow
 def test_lora_load_and_fuse_between_requests_with_the_text_encoders_in_flight(fake_device, text_encoder_lora):
     """Flux: the decode prefetches both text encoders; ``load_lora_weights`` and
     ``fuse_lora`` into the text encoder between requests read and replace the weights
@@ -164,7 +162,6 @@ def test_lora_load_and_fuse_between_requests_with_the_text_encoders_in_flight(fa
     assert _races() == 0
 
 
-@pytest.mark.slow
 def test_the_decode_still_overlaps_the_text_encoder_prefetch(fake_device):
     """Ordering the caller after the prefetch waits at the end of the decode, not before
     it: the copy is still in flight when the decode's compute starts, and a 0.6 s copy
@@ -238,7 +235,6 @@ def _fp8_wan22():
     return pipe
 
 
-@pytest.mark.slow
 def test_layerwise_casting_beside_the_stage_prefetch_is_race_free(fake_device):
     """fp8 storage, float32 compute: the cast reads a weight the copy stream allocated and
     drops it. Budget = VAE + both DiTs: request 2 prefetches a DiT."""
@@ -294,7 +290,6 @@ def _wan22_request(pipe, stages: tuple[str, ...]) -> np.ndarray:
             hook.remove()
 
 
-@pytest.mark.slow
 def test_a_prefetch_evicted_by_a_change_of_stage_order_is_loaded_at_its_stage(fake_device):
     """DiT sequences (T1), (T1), (T1, T2), (), (T1, T2): ``transformer_2``'s prefetch is
     evicted before its stage; the stage loads it (its root reads a Parameter first)."""
@@ -328,7 +323,6 @@ def test_a_prefetch_evicted_by_a_change_of_stage_order_is_loaded_at_its_stage(fa
     assert _races() == 0
 
 
-@pytest.mark.slow
 def test_a_prefetch_evicted_by_the_oom_retry_is_loaded_at_its_stage(fake_device):
     """The decode prefetches the next request's text encoder, then runs out of memory; the
     retry evicts every selected component, the prefetch included; the next request's
@@ -431,7 +425,6 @@ def transformer_lora() -> dict[str, torch.Tensor]:
     return {f"transformer.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(t).items()}
 
 
-@pytest.mark.slow
 def test_a_group_grown_by_a_lora_raises_the_budget_in_force(fake_device, transformer_lora):
     """At the smallest workable budget, a LoRA grows ``transformer``: the budget in force
     becomes the new smallest (one warning naming it), ``audit() == []``; unloading it
@@ -474,7 +467,6 @@ def _tied_wan22():
     return pipe
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("budgeted", [False, True], ids=["strict", "budget"])
 def test_a_weight_tied_between_two_dits_follows_whichever_is_resident(fake_device, budgeted):
     ref = _run(_tied_wan22().to(fake_device))

@@ -479,17 +479,6 @@ def test_a_second_oom_raises_stage_out_of_memory_naming_stage_and_block(fake_dev
 # -- 2. LoRA between requests, with the carried block on the device ---------------------
 
 
-@pytest.fixture(scope="module")
-def lora_state_dict() -> dict[str, torch.Tensor]:
-    pytest.importorskip("peft", reason="LoRA loading needs peft (the `test` extra installs it)")
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    t = tiny_pipelines.build("wan2.1", 0).transformer
-    t.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"], init_lora_weights=False))
-    return {f"transformer.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(t).items()}
-
-
 def test_lora_load_fuse_unfuse_unload_between_layer_mode_requests(fake_device, lora_state_dict):
     """diffusers' LoRA API between requests while a block is carried on the device (its
     copy just queued): every step equals the resident pipeline, no race, audit clean."""

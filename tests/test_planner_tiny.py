@@ -113,6 +113,7 @@ def _run(folder: str, kind: str, config: dict, capacity: int, requests: int) -> 
         fake_accelerator.set_capacity(None)
 
 
+@pytest.mark.slow  # 28 runs of ~4 s: in .ci/run, not the README's command
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_predicted_peak_bounds_the_measured_one(kind, name, folders, plans, fake_device):

@@ -31,17 +31,6 @@ def _run(pipe) -> np.ndarray:
     return np.asarray(out.frames, dtype=np.float64)
 
 
-@pytest.fixture(scope="module")
-def lora_state_dict() -> dict[str, torch.Tensor]:
-    pytest.importorskip("peft", reason="LoRA loading needs peft (the `test` extra installs it)")
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    t = tiny_pipelines.build("wan2.1", 0).transformer
-    t.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"], init_lora_weights=False))
-    return {f"transformer.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(t).items()}
-
-
 def _declared(transformer: nn.Module, text_encoder: nn.Module) -> nn.Module:
     """A pipeline that declares one DiT and one text encoder."""
     from diffusion_offload import SupportsComponentDiscovery
