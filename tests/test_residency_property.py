@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -224,14 +225,7 @@ STEP = st.one_of(
 )
 
 
-@settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-@given(steps=st.lists(STEP, min_size=1, max_size=4))
-def test_random_steps_keep_invariant_values_and_d2h(steps):
+def _run_steps(steps: list[tuple]) -> None:
     device = fa.install()
     model = Model(device)
     try:
@@ -240,3 +234,21 @@ def test_random_steps_keep_invariant_values_and_d2h(steps):
             model.check()
     finally:
         model.backend.disable()
+
+
+_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=60, **_SETTINGS)
+@given(steps=st.lists(STEP, min_size=1, max_size=4))
+def test_random_steps_keep_invariant_values_and_d2h(steps):
+    """60 derandomized sequences (the README's test command)."""
+    _run_steps(steps)
+
+
+@pytest.mark.full
+@settings(max_examples=300, **_SETTINGS)
+@given(steps=st.lists(STEP, min_size=1, max_size=4))
+def test_random_steps_keep_invariant_values_and_d2h_full(steps):
+    """300 sequences (``.ci/run``: marker ``full``)."""
+    _run_steps(steps)
