@@ -57,9 +57,9 @@ from .blocks import check_disjoint, discover_blocks
 from .config import DiffusionOffloadConfig
 from .discovery import Component
 from .hooks import SequentialOffloadHook, attach_hook
-from .platform import Platform, same_device
+from .platform import Platform
 from .residency import ComponentWeights, WeightTable
-from .transfer import Member, Mover, Transaction, fingerprints
+from .transfer import Member, Mover, Transaction, fingerprints, record_on
 
 __all__ = ["BlockStreamer", "LayerwiseOffloadBackend"]
 
@@ -470,11 +470,7 @@ class BlockStreamer:
 
     def _record(self, block: _Block, stream: Any) -> None:
         """``record_stream(stream)`` on every device payload of the block."""
-        for slot in block.weights.slots:
-            for m in slot.members:
-                p = m.payload
-                if same_device(p.device, self.device):
-                    p.record_stream(stream)
+        record_on(stream, (m for slot in block.weights.slots for m in slot.members), self.device)
 
     def _prefetch(self, block: _Block) -> None:
         self._load(block, self.copy_stream)

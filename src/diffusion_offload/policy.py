@@ -460,7 +460,3 @@ class MemoryPolicy:
         for comp in comps:
             comp.order_pending()
 
-    def finish_prefetch(self, comp: "ComponentWeights") -> bool:
-        """If ``comp`` has a load in flight, make the current stream wait for it and
-        complete the load; True if so."""
-        return comp.finish_pending()

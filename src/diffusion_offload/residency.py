@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .platform import same_device
-from .transfer import Mover, TensorSlot, Transaction, payload_of
+from .transfer import Mover, TensorSlot, Transaction, payload_of, record_on, storage_span
 
 __all__ = ["ComponentWeights", "WeightTable", "named_tensors"]
 
@@ -324,11 +324,7 @@ class ComponentWeights:
             return
         if pending.event is not None:
             stream.wait_event(pending.event)
-        with torch.inference_mode(False), torch.no_grad():
-            for m in pending.members:
-                p = m.payload
-                if same_device(p.device, self.mover.device):
-                    p.record_stream(stream)
+        record_on(stream, pending.members, self.mover.device)
         pending.ordered.add(key)
 
     def finish_load(self, pending: "PendingLoad") -> None:
@@ -431,25 +427,25 @@ class PendingLoad:
 
 
 def _span_bytes(objs: list[torch.Tensor]) -> list[int]:
-    """Bytes of the host slots ``Mover._adopt_host`` makes for tensors viewing one
-    storage (the same span rule: aligned to the largest element size, clipped to the
-    storage; one slot per tensor when aliases of several element sizes do not tile)."""
-    payloads = [payload_of(o) for o in objs]
-    align = max(p.element_size() for p in payloads)
-    storage = payloads[0].untyped_storage()
-    lo = min(p.storage_offset() * p.element_size() for p in payloads)
-    hi = 0
-    for p in payloads:
-        if any(n == 0 for n in p.shape):
-            extent = 0
-        else:
-            extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
-        hi = max(hi, (p.storage_offset() + extent) * p.element_size())
-    lo -= lo % align
-    hi = min(hi + (-hi) % align, storage.nbytes())
-    if len(objs) > 1 and (hi - lo) % align:
+    """Bytes of the host slots ``Mover._adopt_host`` makes for tensors viewing one storage
+    (``transfer.storage_span``; one slot per tensor when the aliases do not tile)."""
+    span = storage_span([payload_of(o) for o in objs])
+    if span is None:
         return [n for o in objs for n in _span_bytes([o])]
-    return [hi - lo]
+    return [span[1] - span[0]]
+
+
+def _owners(
+    named: dict[str, list[tuple[str, torch.Tensor]]],
+) -> tuple[dict[int, set[str]], dict[int, torch.Tensor]]:
+    """Per tensor (by id): the names of the components that hold it, and the tensor."""
+    owners: dict[int, set[str]] = {}
+    objs: dict[int, torch.Tensor] = {}
+    for comp, tensors in named.items():
+        for _, t in tensors:
+            owners.setdefault(id(t), set()).add(comp)
+            objs[id(t)] = t
+    return owners, objs
 
 
 def _drop_slots(ref: "weakref.ref[ComponentWeights]") -> None:
@@ -532,12 +528,7 @@ class WeightTable:
         slot per tensor when aliases of several element sizes do not tile), a device
         tensor one slot of its own bytes. ``selected``: component name -> selected.
         """
-        owners: dict[int, set[str]] = {}
-        objs: dict[int, torch.Tensor] = {}
-        for comp, tensors in named.items():
-            for _, t in tensors:
-                owners.setdefault(id(t), set()).add(comp)
-                objs[id(t)] = t
+        owners, objs = _owners(named)
         fresh: dict[frozenset[str], list[torch.Tensor]] = {}
         for key, t in objs.items():
             fresh.setdefault(frozenset(owners[key]), []).append(t)
@@ -565,12 +556,7 @@ class WeightTable:
         (pinned when allowed); new non-evictable ones are placed on the device.
         """
         self.check_tensors(named)
-        owners: dict[int, set[str]] = {}
-        objs: dict[int, torch.Tensor] = {}
-        for comp, tensors in named.items():
-            for _, t in tensors:
-                owners.setdefault(id(t), set()).add(comp)
-                objs[id(t)] = t
+        owners, objs = _owners(named)
         touched: list[TensorSlot] = []
         # new tensors grouped by who owns them: tensors of different components never
         # share a slot, even when they view one storage (each gets its own span of it)

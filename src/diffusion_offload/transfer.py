@@ -359,6 +359,40 @@ def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
 
 
+def storage_span(payloads: list[torch.Tensor]) -> tuple[int, int] | None:
+    """The byte span ``[lo, hi)`` of one storage that host tensors viewing it cover: the
+    span one host slot copies (``Mover._adopt_host``), aligned to the largest element size
+    and clipped to the storage. None when aliases of several element sizes do not tile it
+    (each then gets a slot of its own).
+
+    Args:
+        payloads: host tensors (any dtypes, shapes, strides) viewing one storage.
+    """
+    align = max(p.element_size() for p in payloads)
+    lo = min(p.storage_offset() * p.element_size() for p in payloads)
+    hi = max(
+        (p.storage_offset() + _extent(tuple(p.shape), p.stride())) * p.element_size()
+        for p in payloads
+    )
+    lo -= lo % align
+    hi = min(hi + (-hi) % align, payloads[0].untyped_storage().nbytes())
+    if len(payloads) > 1 and (hi - lo) % align:
+        return None
+    return lo, hi
+
+
+def record_on(stream: Any, members: Iterable["Member"], device: torch.device) -> None:
+    """``record_stream(stream)`` on every member payload that lives on ``device``: the
+    caching allocator then reuses that memory (allocated on a copy stream) only after the
+    work queued on ``stream`` by the time it is freed, whoever frees it. Host-side only:
+    no device op, no host wait."""
+    with torch.inference_mode(False), torch.no_grad():
+        for m in members:
+            p = m.payload
+            if same_device(p.device, device):
+                p.record_stream(stream)
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -561,18 +595,12 @@ class Mover:
         self, objs: list[torch.Tensor], txn: Transaction, pin: bool = True
     ) -> list[TensorSlot]:
         payloads = [payload_of(o) for o in objs]
-        align = max(p.element_size() for p in payloads)
-        storage = payloads[0].untyped_storage()
-        lo = min(p.storage_offset() * p.element_size() for p in payloads)
-        hi = max(
-            (p.storage_offset() + _extent(tuple(p.shape), p.stride())) * p.element_size()
-            for p in payloads
-        )
-        lo -= lo % align
-        hi = min(hi + (-hi) % align, storage.nbytes())
-        if len(objs) > 1 and (hi - lo) % align:
+        span = storage_span(payloads)
+        if span is None:
             # aliases of several element sizes that do not tile: one slot each
             return [s for o in objs for s in self._adopt_host([o], txn, pin)]
+        lo, hi = span
+        storage = payloads[0].untyped_storage()
         members = [
             Member(o, (p.storage_offset() * p.element_size() - lo) // p.element_size(), p.stride())
             for o, p in zip(objs, payloads)
