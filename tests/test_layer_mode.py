@@ -21,7 +21,7 @@ from diffusion_offload.engine.omni import _clear_method_caches
 from diffusion_offload.layer_backend import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
-from diffusion_offload.testing.toy import SyntheticDiT
+from diffusion_offload.testing.toy import SyntheticDiT, SyntheticPipeline
 
 LAYER = {"mode": "layer", "components": ["dit", "text_encoder"]}
 BLOCKS = 8
@@ -264,20 +264,7 @@ def test_two_vs_eight_steps_grow_h2d_by_the_streamed_blocks_per_forward(fake_dev
 # ----------------------------------------------------------------------------- synthetic DiT
 
 
-class OneDiT(nn.Module, SupportsComponentDiscovery):
-    """A pipeline of one synthetic DiT (``transformer``)."""
-
-    _dit_modules: ClassVar[list[str]] = ["transformer"]
-    _encoder_modules: ClassVar[list[str]] = []
-    _vae_modules: ClassVar[list[str]] = []
-    _resident_modules: ClassVar[list[str]] = []
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__()
-        self.transformer = SyntheticDiT(**kwargs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.transformer(x)
+OneDiT = SyntheticPipeline  # a pipeline of one synthetic DiT (``transformer``)
 
 
 def _synthetic_reference(fake_device, x: torch.Tensor, **kwargs) -> torch.Tensor:

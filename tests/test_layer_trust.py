@@ -20,7 +20,7 @@ from diffusion_offload.policy import StageOutOfMemoryError
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
 from diffusion_offload.testing.pytest_plugin import requires_fake
-from diffusion_offload.testing.toy import SyntheticDiT
+from diffusion_offload.testing.toy import SyntheticDiT, SyntheticPipeline
 from diffusion_offload.transfer import Mover
 
 pytestmark = requires_fake
@@ -29,18 +29,7 @@ LAYER_DIT = {"mode": "layer", "components": ["dit"]}
 LAYER = {"mode": "layer", "components": ["dit", "text_encoder"]}
 
 
-class OneDiT(nn.Module, SupportsComponentDiscovery):
-    _dit_modules: ClassVar[list[str]] = ["transformer"]
-    _encoder_modules: ClassVar[list[str]] = []
-    _vae_modules: ClassVar[list[str]] = []
-    _resident_modules: ClassVar[list[str]] = []
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__()
-        self.transformer = SyntheticDiT(**kwargs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.transformer(x)
+OneDiT = SyntheticPipeline  # a pipeline of one synthetic DiT (``transformer``)
 
 
 def _races() -> int:

@@ -27,7 +27,7 @@ from torch import nn
 from ..discovery import SupportsComponentDiscovery
 from ..hooks import get_hook, offload_component
 
-__all__ = ["SyntheticBlock", "SyntheticDiT", "ToyBlock", "ToyPipeline"]
+__all__ = ["SyntheticBlock", "SyntheticDiT", "SyntheticPipeline", "ToyBlock", "ToyPipeline"]
 
 
 class ToyBlock(nn.Module):
@@ -334,3 +334,29 @@ class SyntheticDiT(nn.Module):
         for i in self._block_order:
             h = self.blocks[i](h)
         return self.head(self.norm_out(h))
+
+
+class SyntheticPipeline(nn.Module, SupportsComponentDiscovery):
+    """A DiT-only pipeline around one :class:`SyntheticDiT` (component ``transformer``),
+    for layer-mode tests: ``pipe(x)`` is ``pipe.transformer(x)``.
+
+    Args:
+        **kwargs: passed to :class:`SyntheticDiT` (``num_blocks``, ``width``, ``skip``...).
+
+    Raises:
+        TypeError, ValueError: as :class:`SyntheticDiT`.
+    """
+
+    _dit_modules: ClassVar[list[str]] = ["transformer"]
+    _encoder_modules: ClassVar[list[str]] = []
+    _vae_modules: ClassVar[list[str]] = []
+    _resident_modules: ClassVar[list[str]] = []
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+        self.transformer = SyntheticDiT(**kwargs)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[batch, seq, in_dim]`` on the model's device; returns the same shape."""
+        return self.transformer(x)
+
