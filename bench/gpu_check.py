@@ -61,9 +61,9 @@ from diffusion_offload import (  # noqa: E402
     ModelLevelOffloadBackend,
     SupportsComponentDiscovery,
 )
-from diffusion_offload.hooks import get_hook  # noqa: E402
-from diffusion_offload.layer_backend import BlockStreamer  # noqa: E402
-from diffusion_offload.transfer import Mover  # noqa: E402
+from diffusion_offload.core.hooks import get_hook
+from diffusion_offload.core.streamer import BlockStreamer
+from diffusion_offload.core.transfer import Mover
 
 
 class _Big(nn.Module):

@@ -70,10 +70,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
-from diffusion_offload.layer_backend import BlockStreamer
+from diffusion_offload.core.streamer import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
-from diffusion_offload.transfer import Mover
+from diffusion_offload.core.transfer import Mover
 
 SELECT = ["dit", "text_encoder"]
 DITS = ("transformer", "transformer_2")

@@ -92,7 +92,7 @@ def fingerprint_costs() -> dict:
     import torch
 
     from diffusion_offload import ModelLevelOffloadBackend
-    from diffusion_offload import transfer
+    from diffusion_offload.core import transfer
     from diffusion_offload.testing import fake_accelerator as fa
     from diffusion_offload.testing.tiny_pipelines import build
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from diffusion_offload import ModelLevelOffloadBackend
-from diffusion_offload.hooks import get_handle
-from diffusion_offload.policy import BudgetTooSmallError
+from diffusion_offload.core.hooks import get_handle
+from diffusion_offload.core.policy import BudgetTooSmallError
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
 from diffusion_offload.testing.pytest_plugin import requires_fake

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diffusion_offload.config import parse_diffusion_offload_config
-from diffusion_offload.engine.fit import footprint
-from diffusion_offload.engine.model_files import inspect_model
+from diffusion_offload.core.config import parse_diffusion_offload_config
+from diffusion_offload.models.fit import footprint
+from diffusion_offload.models.files import inspect_model
 from diffusion_offload.testing import tiny_pipelines
 
 FULL = {"mode": "module", "components": ["dit", "text_encoder"]}
@@ -534,7 +534,7 @@ def test_overwrite_replaces_the_output(runs):
 def test_variant_fit_and_generation(runs):
     """*.fp16.safetensors next to the plain files: the fit check counts one set (plain or
     variant, as diffusers loads them), and --variant fp16 loads the variant's files."""
-    from diffusion_offload.engine.model_files import weight_files
+    from diffusion_offload.models.files import weight_files
 
     inputs = runs["inputs"]
     plain, both = inspect_model(inputs / "flux"), inspect_model(inputs / "flux-variant")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_offload.cli_args import build_parser, parse_bytes
+from diffusion_offload.cli_args import build_parser
+from diffusion_offload.units import parse_bytes
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -80,7 +81,7 @@ def test_parse_bytes() -> None:
 
 def test_max_pinned_memory_and_variant_reach_omni(monkeypatch: pytest.MonkeyPatch) -> None:
     from diffusion_offload.engine import omni
-    from diffusion_offload.engine.requests import build_omni
+    from diffusion_offload.engine.omni import build_omni
 
     seen = {}
 
@@ -121,7 +122,7 @@ def _shard(folder: Path, stem: str = "diffusion_pytorch_model") -> None:
 
 def test_sharded_checkpoints_count_their_shards(flux_dir: Path, tmp_path: Path) -> None:
     from diffusion_offload.engine import ModelError
-    from diffusion_offload.engine.model_files import inspect_model, weight_files
+    from diffusion_offload.models.files import inspect_model, weight_files
 
     sharded = shutil.copytree(flux_dir, tmp_path / "sharded")
     _shard(sharded / "transformer")
@@ -144,8 +145,8 @@ def test_omni_raises_model_error_for_a_corrupt_file(flux_dir: Path, tmp_path: Pa
 
 
 def test_size_rules_come_from_the_model_config(flux_dir: Path) -> None:
-    from diffusion_offload.engine.model_files import inspect_model
-    from diffusion_offload.engine.requests import frames_for_seconds, model_rules
+    from diffusion_offload.models.files import inspect_model
+    from diffusion_offload.models.rules import frames_for_seconds, model_rules
 
     rules = model_rules(inspect_model(flux_dir))
     assert (rules.size_multiple, rules.frame_step, rules.tiny_kind) == (4, None, "flux")

@@ -16,7 +16,7 @@ from diffusion_offload import (
     ModelLevelOffloadBackend,
     parse_diffusion_offload_config,
 )
-from diffusion_offload.config import LayerOptions
+from diffusion_offload.core.config import LayerOptions
 
 MODE_NAMES = ["'module'", "'layer'"]
 COMPONENT_NAMES = ["'dit'", "'text_encoder'"]

@@ -15,7 +15,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from diffusion_offload import ModelLevelOffloadBackend
-from diffusion_offload.discovery import discover_components
+from diffusion_offload.core.discovery import discover_components
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
 
@@ -242,7 +242,7 @@ def test_image_encoder_is_unselectable_but_evicts_dits(fake_device, saved):
     backend = ModelLevelOffloadBackend(FULL, fake_device)
     backend.enable(pipe)
     assert not backend.components["image_encoder"].selected
-    from diffusion_offload.hooks import get_hook
+    from diffusion_offload.core.hooks import get_hook
 
     get_hook(pipe.transformer).activate()  # what the DiT's forward does first
     assert _on(pipe.transformer, "fakegpu") and _on(pipe.text_encoder, "cpu")

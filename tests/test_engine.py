@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion_offload.config import parse_diffusion_offload_config
+from diffusion_offload.core.config import parse_diffusion_offload_config
 from diffusion_offload.engine import (
     FitError,
     GenerationOutput,
@@ -31,8 +31,8 @@ from diffusion_offload.engine import (
     Omni,
     SamplingParams,
 )
-from diffusion_offload.engine.fit import footprint
-from diffusion_offload.engine.model_files import inspect_model
+from diffusion_offload.models.fit import footprint
+from diffusion_offload.models.files import inspect_model
 from diffusion_offload.engine.omni import parse_dtype
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines

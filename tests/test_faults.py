@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from diffusion_offload import ModelLevelOffloadBackend, PartSwitcher
-from diffusion_offload import transfer as transfer_mod
+from diffusion_offload.core import transfer as transfer_mod
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing.pytest_plugin import requires_fake
 from diffusion_offload.testing.toy import ToyPipeline
@@ -175,7 +175,7 @@ def test_interrupt_in_enable_after_every_move(fake_device, monkeypatch, start):
 
 
 def test_interrupt_in_disable_after_every_hook_removal(fake_device, monkeypatch):
-    from diffusion_offload import hooks as hooks_mod
+    from diffusion_offload.core import hooks as hooks_mod
 
     ref = _reference(fake_device)
     real = hooks_mod.HookHandle.remove

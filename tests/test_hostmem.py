@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from diffusion_offload import hostmem
+from diffusion_offload.core import hostmem
 
 
 class _Platform:

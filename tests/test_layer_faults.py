@@ -57,9 +57,9 @@ import torch
 from torch import nn
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
-from diffusion_offload import transfer as transfer_mod
-from diffusion_offload.discovery import SupportsComponentDiscovery
-from diffusion_offload.hooks import get_hook, offload_component
+from diffusion_offload.core import transfer as transfer_mod
+from diffusion_offload.core.discovery import SupportsComponentDiscovery
+from diffusion_offload.core.hooks import get_hook, offload_component
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing.pytest_plugin import requires_fake
 

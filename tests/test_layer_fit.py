@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from diffusion_offload import LayerwiseOffloadBackend, parse_diffusion_offload_config
-from diffusion_offload.engine.fit import FitError, check_fit, footprint
-from diffusion_offload.engine.model_files import inspect_model
+from diffusion_offload.models.fit import FitError, check_fit, footprint
+from diffusion_offload.models.files import inspect_model
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
 

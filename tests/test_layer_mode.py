@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
-from diffusion_offload.discovery import SupportsComponentDiscovery
-from diffusion_offload.engine.omni import _clear_method_caches
-from diffusion_offload.layer_backend import BlockStreamer
+from diffusion_offload.core.discovery import SupportsComponentDiscovery
+from diffusion_offload.models.caches import clear_method_caches
+from diffusion_offload.core.streamer import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
 from diffusion_offload.testing.toy import SyntheticDiT, SyntheticPipeline
@@ -99,7 +99,7 @@ def resident_results(fake_device_module):
             "activations": s["peak_bytes"] - weights,
             "activations_without_decode": latent_peak - weights,
         }
-        _clear_method_caches(pipe)  # Qwen-Image memoizes RoPE tables on the device
+        clear_method_caches(pipe)  # Qwen-Image memoizes RoPE tables on the device
         del pipe
         gc.collect()
     return out
@@ -146,10 +146,10 @@ def test_layer_mode_equals_all_resident_within_the_bound(kind, resident_results,
         assert fa.stats()["d2h_bytes"] == ref["d2h"]
         assert b2.stats.check_d2h_bytes == 0 and b2.audit() == []
     assert _races() == 0  # the release ordering does not lean on the write check's read-back
-    _clear_method_caches(trusted)
+    clear_method_caches(trusted)
     del trusted, b2
 
-    _clear_method_caches(pipe)
+    clear_method_caches(pipe)
     del pipe, backend
     gc.collect()
     assert fa.stats()["allocated_bytes"] == base
@@ -175,7 +175,7 @@ def test_at_the_bound_only_layer_mode_runs(kind, resident_results, fake_device):
             fa.set_capacity(None)
     fa.set_capacity(base + bound)
     try:
-        _clear_method_caches(pipe)
+        clear_method_caches(pipe)
         del pipe, backend
         gc.collect()
         with pytest.raises(torch.OutOfMemoryError):
@@ -470,7 +470,7 @@ def test_interrupt_during_block_moves_leaves_every_tensor_in_place(fake_device, 
     """Ctrl-C after the k-th tensor move of layer mode's enable, or of a forward (block
     loads and releases): every tensor is where the invariant says, nothing allocated is
     left behind, and the next forward equals the reference."""
-    from diffusion_offload import transfer as transfer_mod
+    from diffusion_offload.core import transfer as transfer_mod
 
     x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(2))
     ref = _synthetic_reference(fake_device, x, num_blocks=3)

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from diffusion_offload import LayerwiseOffloadBackend, SupportsComponentDiscovery
-from diffusion_offload.policy import StageOutOfMemoryError
+from diffusion_offload.core.policy import StageOutOfMemoryError
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
 from diffusion_offload.testing.pytest_plugin import requires_fake
 from diffusion_offload.testing.toy import SyntheticDiT, SyntheticPipeline
-from diffusion_offload.transfer import Mover
+from diffusion_offload.core.transfer import Mover
 
 pytestmark = requires_fake
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from diffusion_offload import ModelLevelOffloadBackend
-from diffusion_offload.policy import StageOutOfMemoryError, resolve_budget
-from diffusion_offload.platform import platform_for
+from diffusion_offload.core.policy import StageOutOfMemoryError, resolve_budget
+from diffusion_offload.core.platform import platform_for
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
 

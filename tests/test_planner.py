@@ -10,7 +10,7 @@ import torch
 
 from diffusion_offload import PlanRow, parse_diffusion_offload_config, plan_offload
 from diffusion_offload.cli import main
-from diffusion_offload.engine.model_files import ModelError
+from diffusion_offload.models.files import ModelError
 from diffusion_offload.planner.memory import LiveBytes, attention_model
 from diffusion_offload.planner.model import configs_root, load_plan_model, shipped_models
 from diffusion_offload.planner.plan import (
@@ -321,7 +321,7 @@ def test_serve_path_builds_an_auto_engine(tiny_wan, fake_device, caplog):
     import logging
 
     from diffusion_offload.cli_args import build_parser, parse_config_args
-    from diffusion_offload.engine.requests import build_omni
+    from diffusion_offload.engine.omni import build_omni
 
     args = build_parser().parse_args(["serve", str(tiny_wan), "--diffusion-offload-config", "auto",
                                       "--device", "fakegpu"])

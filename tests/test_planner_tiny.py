@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from diffusion_offload import Omni, SamplingParams
-from diffusion_offload.engine.fit import FitError
+from diffusion_offload.models.fit import FitError
 from diffusion_offload.planner.model import load_plan_model
 from diffusion_offload.planner.plan import plan_model, resolve_request
 from diffusion_offload.testing import fake_accelerator, tiny_pipelines

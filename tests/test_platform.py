@@ -8,9 +8,9 @@ from unittest import mock
 import pytest
 import torch
 
-from diffusion_offload import platform as platform_mod
+from diffusion_offload.core import platform as platform_mod
 from diffusion_offload.testing.pytest_plugin import requires_fake
-from diffusion_offload.platform import (
+from diffusion_offload.core.platform import (
     CpuPlatform,
     CudaPlatform,
     FakePlatform,

@@ -83,7 +83,7 @@ def test_lora_load_set_adapters_fuse_unfuse_unload_equal_resident(fake_device, l
 
 
 def test_lora_loaded_while_the_dit_is_resident(fake_device, lora_state_dict):
-    from diffusion_offload.hooks import get_hook
+    from diffusion_offload.core.hooks import get_hook
 
     ref, pipe, backend = _pair(fake_device)
     get_hook(pipe.transformer).activate()  # the DiT is resident (as during denoising)
@@ -246,7 +246,7 @@ def test_max_pinned_bytes_pins_up_to_the_cap(fake_device):
 
 
 def test_host_memory_check_refuses_before_anything_moves(fake_device, monkeypatch):
-    from diffusion_offload import hostmem
+    from diffusion_offload.core import hostmem
 
     pipe = tiny_pipelines.build("wan2.1", 0).to(fake_device)  # host copies must be made
     placement = {n: t.device for n, t in pipe.transformer.named_parameters()}

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from diffusion_offload import ModelLevelOffloadBackend, offload_component
-from diffusion_offload import transfer as transfer_mod
+from diffusion_offload.core import transfer as transfer_mod
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing.pytest_plugin import requires_fake
 from diffusion_offload.testing.toy import ToyPipeline

@@ -385,7 +385,7 @@ def wan_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_omitted_fields_take_the_models_defaults_under_the_limits(wan_dirs: dict[str, Path]) -> None:
-    from diffusion_offload.engine.model_files import inspect_model
+    from diffusion_offload.models.files import inspect_model
 
     limits = {"max_frames": 5, "max_steps": 2, "max_pixels": 1024}
     tiny = Served(StubEngine(video=True, info=inspect_model(wan_dirs["tiny"])), **limits)
@@ -414,7 +414,7 @@ def test_omitted_fields_take_the_models_defaults_under_the_limits(wan_dirs: dict
 
 
 def test_seconds_is_converted_to_frames_the_model_accepts(wan_dirs: dict[str, Path]) -> None:
-    from diffusion_offload.engine.model_files import inspect_model
+    from diffusion_offload.models.files import inspect_model
 
     served = Served(StubEngine(video=True, info=inspect_model(wan_dirs["tiny"])), max_frames=129)
     try:

@@ -14,7 +14,7 @@ from diffusion_offload import (
     SupportsComponentDiscovery,
     offload_component,
 )
-from diffusion_offload import hooks as hooks_mod
+from diffusion_offload.core import hooks as hooks_mod
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing.pytest_plugin import TEST_DEVICE_TYPE as DEV
 from diffusion_offload.testing.pytest_plugin import requires_fake
@@ -209,7 +209,7 @@ def test_rollback_when_nth_hook_install_fails(fake_device, monkeypatch, fail_at)
             raise RuntimeError("injected install failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("diffusion_offload.backend.attach_hook", flaky)
+    monkeypatch.setattr("diffusion_offload.core.backends.module.attach_hook", flaky)
     backend = ModelLevelOffloadBackend(FULL, fake_device)
     with pytest.raises(RuntimeError, match="injected"):
         backend.enable(pipe)
@@ -398,8 +398,8 @@ def test_dtensor_moves_shard_locally_and_is_not_pinned(fake_device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from diffusion_offload.platform import platform_for
-    from diffusion_offload.transfer import Mover, Transaction
+    from diffusion_offload.core.platform import platform_for
+    from diffusion_offload.core.transfer import Mover, Transaction
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:

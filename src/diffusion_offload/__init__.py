@@ -10,7 +10,7 @@ Every public name is imported on first use (PEP 562), so ``import diffusion_offl
 
 from __future__ import annotations
 
-from ._lazy import lazy_exports
+from .lazy import lazy_exports
 
 __all__ = [
     "DiffusionOffloadConfig",
@@ -34,16 +34,16 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _LAZY = {
-    "ModelLevelOffloadBackend": ".backend",
-    "LayerwiseOffloadBackend": ".layer_backend",
-    "DiffusionOffloadConfig": ".config",
-    "parse_diffusion_offload_config": ".config",
-    "SupportsComponentDiscovery": ".discovery",
-    "SequentialOffloadHook": ".hooks",
-    "offload_component": ".hooks",
-    "PartSwitcher": ".split",
-    "SupportsModelCpuOffload": ".split",
-    "TransferStats": ".transfer",
+    "ModelLevelOffloadBackend": ".core.backends.module",
+    "LayerwiseOffloadBackend": ".core.backends.layer",
+    "DiffusionOffloadConfig": ".core.config",
+    "parse_diffusion_offload_config": ".core.config",
+    "SupportsComponentDiscovery": ".core.discovery",
+    "SequentialOffloadHook": ".core.hooks",
+    "offload_component": ".core.hooks",
+    "PartSwitcher": ".core.backends.split",
+    "SupportsModelCpuOffload": ".core.backends.split",
+    "TransferStats": ".core.transfer",
     "Omni": ".engine",
     "SamplingParams": ".engine",
     "GenerationOutput": ".engine",

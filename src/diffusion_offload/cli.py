@@ -35,8 +35,9 @@ from .cli_args import (
     quiet_libraries,
     version,
 )
+from .units import human_bytes
 
-__all__ = ["CliError", "default_model_dir", "human_bytes", "main"]
+__all__ = ["CliError", "default_model_dir", "main"]
 
 FAKE_CAPACITY_ENV = "DIFFUSION_OFFLOAD_FAKE_CAPACITY"
 REPORT_FORMAT = 2
@@ -67,18 +68,6 @@ def default_model_dir() -> Path:
     if not root:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "diffusion_offload")
     return Path(root) / "tiny-wan2.2"
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes in binary units: ``"512 B"``, ``"17.3 MiB"``, ``"1.50 GiB"``."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:.2f} {unit}" if abs(n) < 10 else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _ensure_default_model() -> Path:
@@ -221,10 +210,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .engine import FitError, ModelError
     from .engine.media import check_output_path, encode_png, encode_video, write_atomic
-    from .engine.model_files import inspect_model, resolve_model
+    from .models.files import inspect_model, resolve_model
     from .engine.omni import parse_dtype, pick_device
     from .engine.params import SamplingParams
-    from .engine.requests import DEFAULT_FPS, build_omni, model_rules
+    from .models.rules import DEFAULT_FPS, model_rules
+    from .engine.omni import build_omni
 
     embedded = args.model is None
     try:

@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .units import parse_bytes
+
 __all__ = [
     "EXIT_FAILURE",
     "EXIT_USAGE",
     "CliError",
     "build_parser",
     "check_serve_args",
-    "parse_bytes",
     "parse_config_args",
     "read_config_arg",
     "version",
@@ -96,33 +97,6 @@ def _float(minimum: float):
 
     parse.__name__ = "float"
     return parse
-
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """A size such as ``"40GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1048576"`` in bytes.
-
-    Binary units (KiB, MiB, GiB, TiB, and the short K, M, G, T) are powers of 1024;
-    decimal units (kB, MB, GB, TB) powers of 1000; no unit or ``B`` means bytes.
-
-    Raises:
-        ValueError: not a number >= 0 with one of those units.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"{text!r} is not a size; use bytes or a number with a unit: KiB, MiB, GiB, TiB "
-            "(powers of 1024) or kB, MB, GB, TB (powers of 1000), e.g. '40GiB'"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _bytes_type(text: str) -> int:
@@ -211,7 +185,7 @@ def read_config_arg(text: str | None) -> Any:
     """
     if text is None:
         return None
-    from .config import reject_duplicate_keys
+    from .core.config import reject_duplicate_keys
 
     if text.startswith("@"):
         file = Path(text[1:])
@@ -247,7 +221,7 @@ def parse_config_args(args: argparse.Namespace):
     Raises:
         CliError: the config is not valid (the message names the flag and the field).
     """
-    from .config import parse_diffusion_offload_config
+    from .core.config import parse_diffusion_offload_config
 
     if args.diffusion_offload_config == "auto":
         if args.enable_cpu_offload:

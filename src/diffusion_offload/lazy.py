@@ -15,7 +15,7 @@ def lazy_exports(
 
     Args:
         package: the package's ``__name__``.
-        names: public name -> the relative submodule that defines it (``".backend"``).
+        names: public name -> the relative submodule that defines it (``".core.hooks"``; ``"..models.files"`` for a sibling package).
         public: the package's ``__all__``.
         namespace: the package's ``globals()``; a name is cached there once imported.
 

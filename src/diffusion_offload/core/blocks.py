@@ -31,10 +31,10 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["BUILTIN_BLOCK_ATTRS", "block_attrs", "discover_blocks"]
+__all__ = ["BUILTIN_BLOCK_ATTRS", "PATH_ALTERNATIVES", "block_attrs", "discover_blocks"]
 
 #: class name -> container paths. Where transformers 4 nested a path differently, the
-#: other spelling is tried too (``_ALTERNATIVES``).
+#: other spelling is tried too (``PATH_ALTERNATIVES``).
 BUILTIN_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
     # diffusers DiTs
     "WanTransformer3DModel": ("blocks",),
@@ -52,7 +52,8 @@ BUILTIN_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
 }
 
 
-_ALTERNATIVES: dict[str, str] = {"encoder.layers": "text_model.encoder.layers"}
+#: a container path -> its other spelling (transformers 4 vs 5), tried when the first is absent
+PATH_ALTERNATIVES: dict[str, str] = {"encoder.layers": "text_model.encoder.layers"}
 
 
 def block_attrs(module: nn.Module, override: Sequence[str] | None = None) -> tuple[tuple[str, ...], str]:
@@ -76,7 +77,7 @@ def block_attrs(module: nn.Module, override: Sequence[str] | None = None) -> tup
         paths = BUILTIN_BLOCK_ATTRS.get(cls.__name__)
         if paths is not None:
             if any(_resolve(module, p) is None for p in paths):
-                other = tuple(_ALTERNATIVES.get(p, p) for p in paths)
+                other = tuple(PATH_ALTERNATIVES.get(p, p) for p in paths)
                 if all(_resolve(module, p) is not None for p in other):
                     return other, "table"
             return paths, "table"

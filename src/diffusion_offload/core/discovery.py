@@ -27,7 +27,9 @@ from typing import Any, ClassVar
 from torch import nn
 
 __all__ = [
+    "ENCODER_ROLES",
     "ROLES",
+    "STAGE_ROLES",
     "Component",
     "SupportsComponentDiscovery",
     "diffusers_role",
@@ -37,6 +39,12 @@ __all__ = [
 ]
 
 ROLES: tuple[str, ...] = ("dit", "text_encoder", "encoder", "vae", "resident")
+
+#: roles whose modules run as a stage of a request (each gets a hook); ``resident`` never moves
+STAGE_ROLES: tuple[str, ...] = ("dit", "text_encoder", "encoder", "vae")
+
+#: roles that encode the request (text encoders, image encoders): one group in module mode
+ENCODER_ROLES: tuple[str, ...] = ("text_encoder", "encoder")
 
 
 class SupportsComponentDiscovery:

@@ -1,4 +1,4 @@
-"""``LayerwiseOffloadBackend``: layer mode, block-streamed components (SPEC section 10).
+"""``BlockStreamer``: moves the streamed blocks of layer mode (SPEC section 10), ahead of use.
 
 Each selected component (DiT, text encoder) keeps its *trunk* on the device (embeddings,
 norms, heads: everything outside its blocks) and streams its blocks: the next block is
@@ -45,31 +45,20 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from .backend import OffloadBackendBase
-from .blocks import check_disjoint, discover_blocks
-from .config import DiffusionOffloadConfig
-from .discovery import Component
-from .hooks import SequentialOffloadHook, attach_hook
 from .platform import Platform
-from .residency import ComponentWeights, WeightTable
+from .residency import ComponentWeights
 from .transfer import Member, Mover, Transaction, fingerprints, record_on
 
-__all__ = ["BlockStreamer", "LayerwiseOffloadBackend"]
+__all__ = ["BlockStreamer", "CallKey", "StreamedBlock"]
 
 logger = logging.getLogger(__name__)
 
-_STREAMED_ROLES = ("dit", "text_encoder")
-_STAGE_ROLES = ("dit", "text_encoder", "encoder", "vae")
-
-
-class _Block:
+class StreamedBlock:
     """One streamed block: its weights, its place in its component, its device state."""
 
     __slots__ = ("component", "index", "name", "weights", "event", "ref", "members", "on_device", "__weakref__")
@@ -90,7 +79,7 @@ class _Block:
         return self.weights.evictable_bytes
 
     def __repr__(self) -> str:
-        return f"_Block({self.component}.{self.name}, {'device' if self.on_device else 'host'})"
+        return f"StreamedBlock({self.component}.{self.name}, {'device' if self.on_device else 'host'})"
 
 
 #: a call of a stage module: (component name, its run length: 1 for the first of
@@ -161,27 +150,27 @@ class BlockStreamer:
         self.lock = lock
         self.prefetch = prefetch
         self.copy_stream = platform.new_stream()
-        self.sequences: dict[str, list[_Block]] = {}
-        self.order: dict[str, list[_Block]] = {}
-        self.stack: list[tuple[_Block, int]] = []
-        self.prefetched: _Block | None = None
+        self.sequences: dict[str, list[StreamedBlock]] = {}
+        self.order: dict[str, list[StreamedBlock]] = {}
+        self.stack: list[tuple[StreamedBlock, int]] = []
+        self.prefetched: StreamedBlock | None = None
         self.successor: dict[CallKey, CallKey] = {}
         self.cycle_start: CallKey | None = None
         self.retries = 0
         self._call: CallKey | None = None  # the call running now, or the last one
-        self._trace: dict[str, list[_Block]] = {}  # blocks run so far by each running call
+        self._trace: dict[str, list[StreamedBlock]] = {}  # blocks run so far by each running call
         self._synchronous = 0  # > 0 during an out-of-memory retry: no prefetch
-        self._last_block: _Block | None = None  # the block loaded or begun last (OOM messages)
+        self._last_block: StreamedBlock | None = None  # the block loaded or begun last (OOM messages)
         self.max_on_device = 0  # high-water mark of streamed blocks on the device
 
     # -- queries ------------------------------------------------------------------------
 
     @property
-    def running(self) -> _Block | None:
+    def running(self) -> StreamedBlock | None:
         """The innermost block whose forward is running, or None."""
         return self.stack[-1][0] if self.stack else None
 
-    def on_device(self) -> list[_Block]:
+    def on_device(self) -> list[StreamedBlock]:
         """Every streamed block whose device copy exists now."""
         return [b for seq in self.sequences.values() for b in seq if b.on_device]
 
@@ -301,7 +290,7 @@ class BlockStreamer:
         ``KeyboardInterrupt`` skips the blocks' post-hooks)."""
         self.stack = [(b, i) for b, i in self.stack if b.component != component]
 
-    def _sweep(self, keep: _Block | None) -> None:
+    def _sweep(self, keep: StreamedBlock | None) -> None:
         """Release every streamed block on the device that is neither running, nor
         ``keep``, nor the prefetch. A release that fails leaves its block on the device
         as the carried block when there is none (it is consistent: every tensor on one
@@ -351,7 +340,7 @@ class BlockStreamer:
 
     # -- a block's forward (``_BlockHooks``) -------------------------------------------
 
-    def before(self, block: _Block) -> None:
+    def before(self, block: StreamedBlock) -> None:
         """Block ``block`` is about to run: make it resident, then prefetch its successor."""
         with self.lock:
             trace = self._trace.get(block.component)
@@ -381,7 +370,7 @@ class BlockStreamer:
                 self._prefetch(nxt)
             self._note_peak()
 
-    def after(self, block: _Block) -> None:
+    def after(self, block: StreamedBlock) -> None:
         """Block ``block`` has run (or raised): release its device copies, unless it runs
         again next or is still running further out (a nested call)."""
         with self.lock:
@@ -406,7 +395,7 @@ class BlockStreamer:
 
     # -- the schedule -------------------------------------------------------------------
 
-    def _first(self, component: str) -> _Block | None:
+    def _first(self, component: str) -> StreamedBlock | None:
         """The block a call of ``component`` runs first: as in its running or last call
         (None: it ran no block), or its first block before any call was observed."""
         trace = self._trace.get(component)
@@ -418,7 +407,7 @@ class BlockStreamer:
         seq = self.sequences.get(component)
         return seq[0] if seq else None
 
-    def _next(self, block: _Block, pos: int) -> _Block | None:
+    def _next(self, block: StreamedBlock, pos: int) -> StreamedBlock | None:
         """The block expected after ``block``, the ``pos``-th of its call."""
         order = self.order.get(block.component)
         if order is not None and pos < len(order) and order[pos] is block:
@@ -430,7 +419,7 @@ class BlockStreamer:
             return seq[block.index + 1]
         return self._next_call(block.component)
 
-    def _next_call(self, component: str) -> _Block | None:
+    def _next_call(self, component: str) -> StreamedBlock | None:
         """The first block of the call expected after the current one of ``component``,
         unless that call starts a request or is not streamed."""
         key = self._call if self._call is not None and self._call[0] == component else (component, 1)
@@ -456,7 +445,7 @@ class BlockStreamer:
     def _note_peak(self) -> None:
         self.max_on_device = max(self.max_on_device, len(self.on_device()))
 
-    def _wait(self, block: _Block) -> None:
+    def _wait(self, block: StreamedBlock) -> None:
         """Hand the block's copy to the current stream: it waits on the load event (no host
         synchronize) and its device memory is recorded on it, so whoever frees a tensor
         later (our release, layerwise casting replacing it) cannot free it under
@@ -468,11 +457,11 @@ class BlockStreamer:
         block.event = None
         self._record(block, stream)
 
-    def _record(self, block: _Block, stream: Any) -> None:
+    def _record(self, block: StreamedBlock, stream: Any) -> None:
         """``record_stream(stream)`` on every device payload of the block."""
         record_on(stream, (m for slot in block.weights.slots for m in slot.members), self.device)
 
-    def _prefetch(self, block: _Block) -> None:
+    def _prefetch(self, block: StreamedBlock) -> None:
         self._load(block, self.copy_stream)
         self.prefetched = block
         self.stats.prefetches += 1
@@ -488,7 +477,7 @@ class BlockStreamer:
             self._release(block)
         self.prefetched = None
 
-    def _load(self, block: _Block, stream: Any) -> None:
+    def _load(self, block: StreamedBlock, stream: Any) -> None:
         """Queue the block's H2D copies on ``stream`` (None: the current one).
 
         All or nothing: on failure every tensor is back on the host.
@@ -548,7 +537,7 @@ class BlockStreamer:
         return total - (1 << 64) if total >= 1 << 63 else total
 
     def _changed(
-        self, block: _Block, slots: list[Any], members: list[Member], unchanged: bool
+        self, block: StreamedBlock, slots: list[Any], members: list[Member], unchanged: bool
     ) -> tuple[list[bool], list[int] | None]:
         """Per member, whether its device bytes differ from its host copy (fingerprints:
         8 bytes read back, plus 8 per member when something differs), and the host
@@ -571,7 +560,7 @@ class BlockStreamer:
             values = [int(x) for x in now.tolist()]
         return [v != r for v, r in zip(values, block.ref)], values
 
-    def _release(self, block: _Block, unchanged: bool = False) -> None:
+    def _release(self, block: StreamedBlock, unchanged: bool = False) -> None:
         """Write back what changed, then drop the block's device copies. A prefetched
         block's memory was recorded on the stream that ran it (``_wait``), so the caching
         allocator reuses it only after that compute. All or nothing: on failure the block
@@ -601,339 +590,3 @@ class BlockStreamer:
         comp.resident = False
         if slots:
             comp._count("evict", start)
-
-
-class _BlockHooks:
-    """The forward pre-hook and post-hook of one streamed block, and their removal."""
-
-    def __init__(self, module: nn.Module, block: _Block, streamer: BlockStreamer) -> None:
-        self.module_ref = weakref.ref(module)
-        self.block = block
-        self.streamer_ref = weakref.ref(streamer)
-        self._handles: list[Any] = []
-
-    def install(self) -> None:
-        module = self.module_ref()
-        if module is None:
-            return
-        block, streamer_ref = self.block, self.streamer_ref
-
-        @torch.compiler.disable
-        def pre(mod: nn.Module, args: tuple) -> None:
-            streamer = streamer_ref()
-            if streamer is not None:
-                streamer.before(block)
-
-        @torch.compiler.disable
-        def post(mod: nn.Module, args: tuple, output: Any) -> None:
-            streamer = streamer_ref()
-            if streamer is not None:
-                streamer.after(block)
-
-        self._handles = [
-            module.register_forward_pre_hook(pre),
-            module.register_forward_hook(post, always_call=True),
-        ]
-
-    @property
-    def active(self) -> bool:
-        """Whether both hooks are installed."""
-        return len(self._handles) == 2
-
-    def remove(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
-
-    def reinstall(self) -> None:
-        """Install again (after a removal, complete or not)."""
-        self.remove()
-        self.install()
-
-
-class _StageEntry:
-    """Wraps a stage module's entry points (``forward``; a VAE's ``decode``/``encode``)
-    so that each outermost call runs through ``BlockStreamer.call``.
-
-    Installed after the module's ``HookHandle``, so it is outermost; removal restores
-    what it replaced when it is still outermost, else it becomes a pass-through.
-    """
-
-    def __init__(self, module: nn.Module, component: str, names: Sequence[str], streamer: BlockStreamer) -> None:
-        self.module_ref = weakref.ref(module)
-        self.component = component
-        self.names = list(names)
-        self.streamer_ref = weakref.ref(streamer)
-        self.active = False
-        self.depth = 0  # calls of this module in progress (decode inside forward...)
-        self._saved: dict[str, Any] = {}
-        self._wrappers: dict[str, Callable[..., Any]] = {}
-
-    def _wrap(self, module: nn.Module, name: str) -> Callable[..., Any]:
-        previous = module.__dict__.get(name)
-        unbound = getattr(type(module), name)
-        module_ref, entry = self.module_ref, self
-
-        def stage_entry(*args: Any, **kwargs: Any) -> Any:
-            mod = module_ref()
-            if mod is None:
-                raise ReferenceError("the offloaded module was deleted")
-
-            def run() -> Any:
-                if previous is not None:
-                    return previous(*args, **kwargs)
-                return unbound(mod, *args, **kwargs)
-
-            streamer = entry.streamer_ref()
-            if not entry.active or entry.depth or streamer is None or torch.compiler.is_compiling():
-                return run()
-            entry.depth += 1
-            try:
-                return streamer.call(entry.component, run)
-            finally:
-                entry.depth -= 1
-
-        stage_entry.__wrapped__ = unbound  # type: ignore[attr-defined]
-        stage_entry.__doc__ = unbound.__doc__
-        stage_entry.__name__ = name
-        return stage_entry
-
-    def install(self) -> None:
-        module = self.module_ref()
-        if module is None:
-            return
-        for name in self.names:
-            self._saved[name] = module.__dict__.get(name)
-            self._wrappers[name] = self._wrap(module, name)
-            module.__dict__[name] = self._wrappers[name]
-        self.active = True
-
-    def remove(self) -> None:
-        self.active = False
-        module = self.module_ref()
-        if module is not None:
-            for name, wrapper in self._wrappers.items():
-                if module.__dict__.get(name) is wrapper:
-                    previous = self._saved.get(name)
-                    if previous is not None:
-                        module.__dict__[name] = previous
-                    else:
-                        del module.__dict__[name]
-        self._saved.clear()
-        self._wrappers.clear()
-
-    def reinstall(self) -> None:
-        """Install again after ``remove`` (a rolled-back ``disable``)."""
-        if not self.active:
-            self.install()
-
-
-class LayerwiseOffloadBackend(OffloadBackendBase):
-    """Layer mode: selected components keep their trunk resident and stream their blocks.
-
-    Args:
-        config: a ``DiffusionOffloadConfig`` or mapping/JSON with ``mode="layer"``;
-            ``layer_options`` per component: ``resident_layers`` (``dit`` only: the first k
-            blocks of each selected DiT stay on the device) and ``weight_transfer``
-            (``"rank-local"``, the default; ``"allgather"`` is not implemented).
-        device: the accelerator; ``cpu`` makes offload a no-op.
-        layer_blocks: container paths per component name, overriding the class
-            attribute ``_layerwise_offload_blocks_attrs`` and the built-in table
-            (``{"transformer": ["blocks"]}``).
-        prefetch: copy block i+1 while block i runs (default). False loads each block
-            when it runs: the same results, for measuring what prefetch saves.
-        check_writes: detect weights written while on the device and write them back
-            (default; costs an 8-byte read-back, and so a host wait, per block release).
-            False: for pure inference, device->host traffic is exactly the pipeline's
-            own, and a write to a streamed weight while it is on the device is lost.
-        component_roles, max_pinned_bytes: as ``ModelLevelOffloadBackend``.
-
-    Peak device memory: trunks of the selected components + resident layers + the two
-    largest streamed blocks + unselected components + activations (SPEC section 10).
-
-    Raises:
-        TypeError, ValueError: an invalid config, ``layer_blocks`` or device.
-        NotImplementedError: ``weight_transfer="allgather"`` (distributed layer offload,
-            which gathers sharded blocks across ranks, is not implemented).
-    """
-
-    MODE = "layer"
-
-    def __init__(
-        self,
-        config: DiffusionOffloadConfig | Mapping[str, Any] | str,
-        device: str | torch.device | int,
-        *,
-        layer_blocks: Mapping[str, Sequence[str]] | None = None,
-        prefetch: bool = True,
-        check_writes: bool = True,
-        component_roles: Mapping[str, str] | None = None,
-        max_pinned_bytes: int | None = None,
-    ) -> None:
-        super().__init__(
-            config, device, component_roles=component_roles, max_pinned_bytes=max_pinned_bytes
-        )
-        for comp, opts in self.config.layer_options:
-            if opts.weight_transfer == "allgather":
-                raise NotImplementedError(
-                    f"layer_options[{comp!r}].weight_transfer='allgather' needs distributed "
-                    "layer offload (gathering sharded blocks across ranks), which is not "
-                    "implemented; use 'rank-local' (the default)"
-                )
-        if layer_blocks is not None:
-            if not isinstance(layer_blocks, Mapping):
-                raise TypeError(
-                    f"layer_blocks must be a mapping component name -> list of container "
-                    f"paths, got {layer_blocks!r}"
-                )
-            for key, paths in layer_blocks.items():
-                if not isinstance(key, str):
-                    raise TypeError(f"layer_blocks keys must be component names (str), got {key!r}")
-                if isinstance(paths, str) or not isinstance(paths, (list, tuple)) or not all(
-                    isinstance(p, str) and p for p in paths
-                ):
-                    raise TypeError(
-                        f"layer_blocks[{key!r}] must be a list of container paths (str), got {paths!r}"
-                    )
-        if not isinstance(prefetch, bool):
-            raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
-        if not isinstance(check_writes, bool):
-            raise TypeError(f"check_writes must be a bool, got {check_writes!r}")
-        self.check_writes = check_writes
-        self.layer_blocks = {k: list(v) for k, v in (layer_blocks or {}).items()}
-        self.prefetch = prefetch
-        self.streamer: BlockStreamer | None = None
-
-    # ------------------------------------------------------------------ public API
-
-    def resident_layers(self, role: str) -> int:
-        """The configured ``resident_layers`` for ``role`` (0 when unset)."""
-        for comp, opts in self.config.layer_options:
-            if comp == role and opts.resident_layers is not None:
-                return opts.resident_layers
-        return 0
-
-    @property
-    def blocks(self) -> dict[str, list[str]]:
-        """Streamed block names per selected component, in execution order."""
-        if self.streamer is None:
-            return {}
-        return {c: [b.name for b in seq] for c, seq in self.streamer.sequences.items()}
-
-    def disable(self) -> None:
-        """Remove every hook; tensors stay where they are (see ``OffloadBackendBase``).
-
-        A block left on the device (the carried prefetch) stays in the model: its copy is
-        ordered before anything the caller queues next on the current stream, and its
-        device memory is recorded on that stream, so whoever frees it later frees it
-        safely.
-        """
-        with self.lock:
-            if self.streamer is not None and self._enabled:
-                self.streamer.quiesce()
-            super().disable()
-            if not self._enabled:
-                self.streamer = None
-
-    def audit(self) -> list[str]:
-        """Every breach of layer mode's residency invariant; ``[]`` when all holds.
-
-        Checked: every tensor of a trunk, a resident layer or an unselected component is
-        on the device; every tensor of a streamed block is on the side its block state
-        says; no tensor of a component is unmanaged; outside a forward, no streamed block
-        is on the device but the carried prefetch; during one, at most the running blocks
-        and one prefetch. O(tensors), for tests and debugging.
-        """
-        with self.lock:
-            if not self._enabled or self._table is None or self.streamer is None:
-                return []
-            out = self._placement_breaches()
-            streamer = self.streamer
-            allowed = {id(b) for b, _ in streamer.stack}
-            if streamer.prefetched is not None:
-                allowed.add(id(streamer.prefetched))
-            extra = [f"{b.component}.{b.name}" for b in streamer.on_device() if id(b) not in allowed]
-            if extra:
-                out.append(
-                    f"streamed blocks on the device that neither run nor are prefetched: {extra}"
-                )
-            return out
-
-    # ------------------------------------------------------------------ internals
-
-    def _check_selection(self, components: list[Component]) -> None:
-        roles = {c.name: c.role for c in components}
-        for wanted in self.config.components:
-            if wanted not in roles.values():
-                raise ValueError(
-                    f"components includes {wanted!r} but the pipeline has no {wanted.replace('_', ' ')}; "
-                    f"discovered: {roles}"
-                )
-        unknown = sorted(set(self.layer_blocks) - set(roles))
-        if unknown:
-            raise ValueError(
-                f"layer_blocks names {unknown}, which are not components of this pipeline; "
-                f"components: {sorted(roles)}"
-            )
-
-    def _streams(self, comp: Component) -> bool:
-        return comp.role in _STREAMED_ROLES and self.config.selects(comp.role)
-
-    def _enable(self, components: list[Component]) -> None:
-        found: dict[str, list[tuple[str, nn.Module]]] = {}
-        for comp in components:
-            if self._streams(comp):
-                blocks = discover_blocks(comp.module, self.layer_blocks.get(comp.name), component=comp.name)
-                if comp.role == "dit":
-                    blocks = blocks[self.resident_layers("dit"):]
-                found[comp.name] = blocks
-        check_disjoint(found)
-        table = WeightTable(self.mover)
-        named: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        selected: dict[str, bool] = {}
-        block_weights: dict[str, list[tuple[str, nn.Module, ComponentWeights]]] = {}
-        for comp in components:
-            streamed = [b for _, b in found.get(comp.name, [])]
-            trunk = table.add(comp.name, comp.role, False, comp.module, skip=streamed)
-            named[comp.name] = trunk.named_tensors()
-            selected[comp.name] = False
-            for bname, bmod in found.get(comp.name, []):
-                key = f"{comp.name}.{bname}"
-                w = table.add(key, "block", True, bmod)
-                named[key] = w.named_tensors()
-                selected[key] = True
-                block_weights.setdefault(comp.name, []).append((bname, bmod, w))
-        streamer = BlockStreamer(self.platform, self.mover, self.lock, self.prefetch, self.check_writes)
-
-        def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
-            for cname, entries in block_weights.items():
-                streamer.sequences[cname] = [
-                    _Block(cname, i, bname, w) for i, (bname, _, w) in enumerate(entries)
-                ]
-            for comp in components:
-                hook = None
-                if comp.role in _STAGE_ROLES:
-                    hook = SequentialOffloadHook(weights[comp.name], (), (), self.lock)
-                handles.append(attach_hook(comp.module, hook, comp.name, child_hooks=False))
-                if comp.role in _STAGE_ROLES:
-                    names = ["forward"]
-                    if comp.role == "vae":
-                        names += [n for n in ("decode", "encode") if callable(getattr(type(comp.module), n, None))]
-                    entry = _StageEntry(comp.module, comp.name, names, streamer)
-                    handles.append(entry)  # first: a partly installed handle is removed too
-                    entry.install()
-            for cname, entries in block_weights.items():
-                for block, (_, bmod, _) in zip(streamer.sequences[cname], entries):
-                    h = _BlockHooks(bmod, block, streamer)
-                    handles.append(h)
-                    h.install()
-            self.streamer = streamer
-
-        self._transact_enable(table, named, selected, install)
-
-    def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
-        """Layer mode: the streamed blocks rest on the host, everything else on the device."""
-        return weights.selected
-
-    def __repr__(self) -> str:
-        state = "enabled" if self._enabled else "disabled"
-        return f"LayerwiseOffloadBackend({self.config.to_json()}, {self.device}, {state})"

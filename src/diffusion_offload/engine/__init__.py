@@ -1,18 +1,18 @@
 """The offline engine: ``Omni``, ``SamplingParams``, ``GenerationOutput``.
 
-Names are imported on first use (PEP 562), so the torch-free submodules (``media``,
-``model_files`` helpers used before a model loads) can be imported without torch.
+Names are imported on first use (PEP 562), so the torch-free submodule ``media`` can be
+imported without torch. ``ModelError`` and ``FitError`` are defined in ``diffusion_offload.models``.
 """
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
+from ..lazy import lazy_exports
 
 __all__ = ["FitError", "GenerationOutput", "ModelError", "Omni", "SamplingParams", "pick_device"]
 
 _LAZY = {
-    "FitError": ".fit",
-    "ModelError": ".model_files",
+    "FitError": "..models.fit",
+    "ModelError": "..models.files",
     "Omni": ".omni",
     "pick_device": ".omni",
     "GenerationOutput": ".params",

@@ -13,18 +13,20 @@ from typing import Any
 
 import torch
 
-from ..backend import ModelLevelOffloadBackend, OffloadBackendBase
-from ..layer_backend import LayerwiseOffloadBackend
-from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
-from ..discovery import ROLES
-from ..platform import Platform, normalize_device, platform_for
-from ..transfer import TransferStats
-from .fit import Footprint, check_fit
-from .model_files import ModelError, ModelInfo, inspect_model, resolve_model
+from ..core.backends.base import OffloadBackendBase
+from ..core.backends.layer import LayerwiseOffloadBackend
+from ..core.backends.module import ModelLevelOffloadBackend
+from ..core.config import DiffusionOffloadConfig, parse_diffusion_offload_config
+from ..core.discovery import ROLES
+from ..core.platform import Platform, normalize_device, platform_for
+from ..core.transfer import TransferStats
+from ..models.fit import Footprint, check_fit
+from ..models.caches import clear_method_caches
+from ..models.files import ModelInfo, inspect_model, resolve_model
 from .params import GenerationOutput, SamplingParams
 from .trace import TraceRecorder
 
-__all__ = ["Omni", "pick_device", "parse_dtype"]
+__all__ = ["Omni", "build_omni", "parse_dtype", "pick_device"]
 
 logger = logging.getLogger("diffusion_offload")
 
@@ -140,42 +142,6 @@ class _StageTimer:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def _clear_method_caches(pipeline: Any) -> None:
-    """Clear ``functools.lru_cache`` methods of the pipeline's module classes.
-
-    Some models memoize device tensors in a method cache keyed on ``(self, device)``
-    (diffusers' ``QwenEmbedRope``, through ``lru_cache_unless_export``, which keeps the
-    ``lru_cache`` in its wrapper's closure); such a cache keeps the module and its device
-    tensors alive after the pipeline is dropped, so ``close`` clears it. The caches are
-    per class: other live engines with the same classes just recompute their entries.
-    """
-
-    def caches(func: Any) -> list[Any]:
-        is_cache = callable(getattr(func, "cache_clear", None)) and hasattr(func, "cache_info")
-        found = [func] if is_cache else []
-        for cell in getattr(func, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # empty cell
-                continue
-            if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
-                found.append(value)
-        return found
-
-    seen: set[type] = set()
-    for component in getattr(pipeline, "components", {}).values():
-        if not isinstance(component, torch.nn.Module):
-            continue
-        for module in component.modules():
-            for cls in type(module).__mro__:
-                if cls in seen or cls.__module__.startswith(("torch.", "builtins")):
-                    continue
-                seen.add(cls)
-                for attr in vars(cls).values():
-                    for cache in caches(getattr(attr, "__func__", attr)):  # (static/class methods)
-                        cache.cache_clear()
 
 
 def _normalize_prompts(prompts: Any) -> list[tuple[str, str | None]]:
@@ -333,7 +299,7 @@ class Omni:
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:
             self.pipeline.to(self.device)
-        from ..discovery import discover_components
+        from ..core.discovery import discover_components
 
         roles = {c.name: (c.module, c.role) for c in discover_components(self.pipeline, self.component_roles)}
         self._timer = _StageTimer(roles)
@@ -525,7 +491,7 @@ class Omni:
             if self.backend is not None:
                 self.backend.disable()
             self._timer.remove()
-            _clear_method_caches(self.pipeline)
+            clear_method_caches(self.pipeline)
             self.pipeline = None
             gc.collect()
             self.platform.empty_cache()
@@ -537,4 +503,12 @@ class Omni:
         self.close()
 
 
+def build_omni(model: str | Path, config: Any, *, variant: str | None = None,
+               max_pinned_bytes: int | None = None, **kwargs: Any) -> Any:
+    """``Omni(model, config, variant=..., max_pinned_bytes=..., **kwargs)``: the engine of
+    ``generate`` and ``serve``, built in one place.
 
+    Raises:
+        Whatever ``Omni`` raises.
+    """
+    return Omni(str(model), config, variant=variant, max_pinned_bytes=max_pinned_bytes, **kwargs)

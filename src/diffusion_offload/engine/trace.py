@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only for annotations
-    from ..residency import ComponentWeights
+    from ..core.residency import ComponentWeights
 
 __all__ = ["TraceRecorder"]
 

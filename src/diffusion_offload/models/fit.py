@@ -19,9 +19,9 @@ import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
-from ..discovery import diffusers_role
-from .model_files import ModelInfo, _DTYPE_BYTES, _FLOAT_DTYPES, safetensors_tensors, weight_files
+from ..core.config import DiffusionOffloadConfig, parse_diffusion_offload_config
+from ..core.discovery import diffusers_role
+from .files import ModelInfo, _DTYPE_BYTES, _FLOAT_DTYPES, safetensors_tensors, weight_files
 
 __all__ = ["FitError", "Footprint", "check_fit", "footprint"]
 
@@ -77,7 +77,7 @@ def block_sizes(
         ``(trunk_bytes, [(block name, bytes), ...])`` with blocks in container order
         (``"blocks.0"``, ...). No blocks found: ``(component bytes, [])``.
     """
-    from ..blocks import BUILTIN_BLOCK_ATTRS, _ALTERNATIVES
+    from ..core.blocks import BUILTIN_BLOCK_ATTRS, PATH_ALTERNATIVES
 
     cls = _component_class(info, name)
     paths: tuple[str, ...] = ()
@@ -91,7 +91,7 @@ def block_sizes(
             if n in BUILTIN_BLOCK_ATTRS:
                 paths = BUILTIN_BLOCK_ATTRS[n]
                 break
-    candidates = [(p, p) for p in paths] + [(_ALTERNATIVES[p], p) for p in paths if p in _ALTERNATIVES]
+    candidates = [(p, p) for p in paths] + [(PATH_ALTERNATIVES[p], p) for p in paths if p in PATH_ALTERNATIVES]
     files = weight_files(info.path, info.variant).get(name, [])
     trunk = 0
     blocks: dict[tuple[int, int], tuple[str, int]] = {}

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing model_files imports diffusers; the Ray ingress needs neither
-    from .model_files import ModelInfo
+    from .files import ModelInfo
 
-__all__ = ["DEFAULT_FPS", "ModelRules", "build_omni", "frames_for_seconds", "model_rules"]
+__all__ = ["DEFAULT_FPS", "ModelRules", "frames_for_seconds", "model_rules"]
 
 DEFAULT_FPS = 16
 """Frames per second of a video when none is given (Wan's native rate)."""
@@ -175,16 +175,3 @@ def frames_for_seconds(seconds: float, fps: int, frame_step: int | None) -> int:
         k = max(0, round((frames - 1) / frame_step))
         frames = k * frame_step + 1
     return frames
-
-
-def build_omni(model: str | Path, config: Any, *, variant: str | None = None,
-               max_pinned_bytes: int | None = None, **kwargs: Any) -> Any:
-    """``Omni(model, config, variant=..., max_pinned_bytes=..., **kwargs)``: the engine of
-    ``generate`` and ``serve``, built in one place.
-
-    Raises:
-        Whatever ``Omni`` raises.
-    """
-    from .omni import Omni
-
-    return Omni(str(model), config, variant=variant, max_pinned_bytes=max_pinned_bytes, **kwargs)

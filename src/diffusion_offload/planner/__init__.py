@@ -10,7 +10,7 @@ measured and :mod:`.model` for where sizes come from.
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
+from ..lazy import lazy_exports
 
 __all__ = [
     "DEFAULT_H2D_BANDWIDTH",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..units import human_bytes
 from .memory import DEVICE_KINDS
 from .plan import DEFAULT_H2D_BANDWIDTH, PlanRow, choose, plan_model, resolve_request
 
@@ -81,7 +82,7 @@ def auto_config(
         FitError: no runnable candidate fits (one line: the smallest need).
         ModelError, ValueError: as :func:`~.plan.plan_offload`.
     """
-    from ..config import parse_diffusion_offload_config
+    from ..core.config import parse_diffusion_offload_config
     from .model import load_plan_model
 
     kind = device_kind if device_kind in DEVICE_KINDS else "cuda"
@@ -97,8 +98,6 @@ def auto_config(
                 and (budget or "device_memory_budget" not in r.config)]
     what = _what(request, kind)
     row = choose(runnable, free_bytes, what)
-    from ..cli import human_bytes
-
     config = parse_diffusion_offload_config(row.config.get("diffusion_offload_config"))
     budget = row.config.get("device_memory_budget")
     with_budget = f", device_memory_budget={budget}" if budget is not None else ""

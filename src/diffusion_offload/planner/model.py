@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..discovery import diffusers_role
-from ..engine.model_files import ModelError, folder_or_hub_id, safetensors_tensors, weight_files
+from ..core.discovery import diffusers_role
+from ..models.files import ModelError, folder_or_hub_id, safetensors_tensors, weight_files
 
 __all__ = ["ComponentSize", "PlanModel", "configs_root", "load_plan_model", "shipped_models"]
 
@@ -322,7 +322,7 @@ def _checkpoint_dtype(files: dict[str, list[Path]]) -> torch.dtype | None:
 def discover_block_modules(module: nn.Module, override: Any = None) -> list[nn.Module]:
     """The blocks of ``module`` in execution order (layer mode's discovery), [] if none."""
     try:
-        from ..blocks import discover_blocks  # layer mode's own discovery
+        from ..core.blocks import discover_blocks
     except ImportError:  # pragma: no cover - layer mode not installed
         discover_blocks = _fallback_blocks
     try:

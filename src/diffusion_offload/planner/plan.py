@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..units import human_bytes
 from .memory import DEVICE_KINDS
 from .model import ComponentSize, PlanModel, load_plan_model
 from .stages import Request, StageReport, measure_request
@@ -368,8 +369,8 @@ def resolve_request(pm: PlanModel, height: int | None, width: int | None, num_fr
 
     import diffusers
 
-    from ..engine.model_files import ModelInfo
-    from ..engine.requests import model_rules
+    from ..models.files import ModelInfo
+    from ..models.rules import model_rules
 
     cls = getattr(diffusers, pm.pipeline_class, None)
     is_video = cls is not None and "num_frames" in inspect.signature(cls.__call__).parameters
@@ -453,12 +454,6 @@ def plan_offload(
     return plan_model(pm, request, device_memory, device_kind=device_kind, h2d_bandwidth=h2d_bandwidth)
 
 
-def _human(n: float) -> str:
-    from ..cli import human_bytes
-
-    return human_bytes(n)
-
-
 def choose(rows: Sequence[PlanRow], device_memory: int, what: str) -> PlanRow:
     """The fastest fitting row, or a one-line ``FitError`` naming the smallest need.
 
@@ -473,13 +468,13 @@ def choose(rows: Sequence[PlanRow], device_memory: int, what: str) -> PlanRow:
     best = fastest_fitting(rows)
     if best is not None:
         return best
-    from ..engine.fit import FitError
+    from ..models.fit import FitError
 
     smallest = min(rows, key=lambda r: r.peak_bytes)
     raise FitError(
-        f"diffusion_offload_config='auto': no candidate fits in {_human(device_memory)} "
+        f"diffusion_offload_config='auto': no candidate fits in {human_bytes(device_memory)} "
         f"({device_memory} bytes) for {what}; the smallest need is '{smallest.name}' with a peak of "
-        f"{_human(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
+        f"{human_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
     )
 
 
@@ -492,9 +487,9 @@ def format_plan(rows: Sequence[PlanRow], *, title: str = "") -> str:
         table.append((
             "*" if r is best else "",
             r.name,
-            _human(r.resting_bytes),
-            _human(r.peak_bytes),
-            _human(r.h2d_bytes_per_request),
+            human_bytes(r.resting_bytes),
+            human_bytes(r.peak_bytes),
+            human_bytes(r.h2d_bytes_per_request),
             f"{r.transfer_seconds:.2f} s",
             "yes" if r.fits else "no",
         ))
@@ -526,11 +521,11 @@ def describe_plan(pm: PlanModel, request: Request, device_memory: int, device_ki
     lines = [
         f"model: {pm.model} ({pm.pipeline_class}, {str(pm.dtype).removeprefix('torch.')}; {source})",
         f"request: {request.width}x{request.height}{frames}, {request.steps} steps",
-        f"device: {_human(device_memory)} ({device_memory} bytes), {device_kind}: "
+        f"device: {human_bytes(device_memory)} ({device_memory} bytes), {device_kind}: "
         f"{describe_memory_model(device_kind)}",
         f"host->device: {bandwidth / 1e9:g} GB/s",
         "components: " + ", ".join(
-            f"{c.name} {_human(c.nbytes)} ({c.role}, {c.params / 1e9:.2f}e9 params)"
+            f"{c.name} {human_bytes(c.nbytes)} ({c.role}, {c.params / 1e9:.2f}e9 params)"
             for c in describe_components(pm)),
         "",
     ]

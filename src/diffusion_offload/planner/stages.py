@@ -686,9 +686,9 @@ def _clear_caches(pm: PlanModel) -> None:
     """Clear the method caches of the meta modules' classes (Qwen-Image's rotary tables)."""
     from types import SimpleNamespace
 
-    from ..engine.omni import _clear_method_caches
+    from ..models.caches import clear_method_caches
 
-    _clear_method_caches(SimpleNamespace(components=dict(pm.modules)))
+    clear_method_caches(SimpleNamespace(components=dict(pm.modules)))
 
 
 def measure_request(pm: PlanModel, req: Request, device_kind: str) -> StageReport:

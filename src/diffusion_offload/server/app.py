@@ -173,9 +173,9 @@ def serve(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     from ..engine import FitError, ModelError
-    from ..engine.model_files import inspect_model, resolve_model
+    from ..models.files import inspect_model, resolve_model
     from ..engine.omni import parse_dtype, pick_device
-    from ..engine.requests import build_omni
+    from ..engine.omni import build_omni
 
     try:
         dtype = parse_dtype(args.dtype)

@@ -398,7 +398,7 @@ class DiffusionGenerator:
                        settings: ServerSettings, index: str,
                        engine_factory: Callable[[], Any] | None = None) -> None:
         from ..cli_args import quiet_libraries
-        from ..engine.requests import build_omni
+        from ..engine.omni import build_omni
 
         quiet_libraries()
         factory = engine_factory or functools.partial(
@@ -905,7 +905,7 @@ def serve_ray(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..engine import ModelError
-    from ..engine.model_files import inspect_model, resolve_model
+    from ..models.files import inspect_model, resolve_model
     from ..engine.omni import parse_dtype
 
     try:

@@ -38,7 +38,7 @@ _MULTIPART = "multipart/form-data"
 def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
     """The request's size, steps and frames with omitted fields set to the server's
     defaults (the model's: a make-tiny model's small ones, else the pipeline's)."""
-    from ..engine.requests import DEFAULT_FPS, frames_for_seconds
+    from ..models.rules import DEFAULT_FPS, frames_for_seconds
 
     rules = state.rules
     defaults = dict(rules.defaults) if rules is not None else {}

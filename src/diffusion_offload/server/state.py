@@ -455,7 +455,7 @@ class ServerState(BaseServerState):
     def _publish(self, engine: Any) -> None:
         info = getattr(engine, "info", None)
         if info is not None and hasattr(info, "pipeline_class"):
-            from ..engine.requests import model_rules
+            from ..models.rules import model_rules
 
             self.rules = model_rules(info)
         rules = self.rules

@@ -34,7 +34,7 @@ def fake_device() -> Iterator[torch.device]:
     """The device under test: ``fakegpu:0`` (default) or the one named by the env var."""
     wanted = os.environ.get("DIFFUSION_OFFLOAD_TEST_DEVICE", "fakegpu")
     if wanted != "fakegpu":
-        from diffusion_offload.platform import normalize_device
+        from diffusion_offload.core.platform import normalize_device
 
         yield normalize_device(wanted)
         return

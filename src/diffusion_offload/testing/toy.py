@@ -24,8 +24,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..discovery import SupportsComponentDiscovery
-from ..hooks import get_hook, offload_component
+from ..core.discovery import SupportsComponentDiscovery
+from ..core.hooks import get_hook, offload_component
 
 __all__ = ["SyntheticBlock", "SyntheticDiT", "SyntheticPipeline", "ToyBlock", "ToyPipeline"]
 

@@ -27,9 +27,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .platform import platform_for
-from .residency import ComponentWeights, WeightTable, named_tensors
-from .transfer import Mover, Transaction, TransferStats
+from ..platform import platform_for
+from ..residency import ComponentWeights, WeightTable, named_tensors
+from ..transfer import Mover, Transaction, TransferStats
 
 __all__ = ["PartSwitcher", "SupportsModelCpuOffload"]
 

@@ -1,0 +1,23 @@
+"""The offload core: residency, transfers and hooks, below everything else.
+
+Its modules are its layers, bottom to top, in this
+list, each importing only modules earlier in it (``tests/test_layout.py`` checks it):
+
+- ``config``: ``DiffusionOffloadConfig``, the validated offload config (torch-free).
+- ``platform``: one ``Platform`` per device kind (streams, events, pinning, memory queries).
+- ``hostmem``: host memory: pinning in place, what the host has.
+- ``transfer``: moving weights (``Mover``, ``Transaction``), fingerprints, ``TransferStats``.
+- ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).
+- ``policy``: the device-memory budget (``MemoryPolicy``): what stays resident.
+- ``discovery``: a pipeline's components and their roles (DiT, text encoder, VAE...).
+- ``blocks``: a component's repeated blocks (layer mode).
+- ``hooks``: ``SequentialOffloadHook``: load before a stage runs, evict others.
+- ``streamer``: ``BlockStreamer``: layer mode's block schedule and prefetch.
+- ``backends``: one module per backend over a shared base: ``base``
+  (``OffloadBackendBase``), ``module`` (``ModelLevelOffloadBackend``), ``layer``
+  (``LayerwiseOffloadBackend``), ``split`` (``PartSwitcher``, delegation to a pipeline
+  that switches its own parts).
+
+The engine, planner, server and CLI sit above it; it imports none of them. See
+``docs/architecture.md``.
+"""
