@@ -201,7 +201,7 @@ class Omni:
             (pixels), ``num_frames``, ``num_inference_steps``; a missing key takes the
             model's default.
         device_memory_budget: module mode: bytes of weights that may stay resident,
-            ``"auto"``, or None (the strict rule). See ``diffusion_offload.policy``.
+            ``"auto"``, or None (the strict rule). See ``diffusion_offload.core.policy``.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.

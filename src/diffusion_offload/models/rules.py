@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # importing model_files imports diffusers; the Ray ingress needs neither
+if TYPE_CHECKING:  # importing models.files imports diffusers; the Ray ingress needs neither
     from .files import ModelInfo
 
 __all__ = ["DEFAULT_FPS", "ModelRules", "frames_for_seconds", "model_rules"]

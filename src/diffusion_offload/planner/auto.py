@@ -6,7 +6,7 @@ request shape it is given (``generate``: the command's size, frames and steps; `
 ``serve``: ``plan_shape`` or the model's defaults), with the device's free memory as
 ``device_memory``, and runs the fastest candidate that fits
 (:func:`~.plan.fastest_fitting`). It says which in one line. When nothing fits it raises a
-one-line :class:`~diffusion_offload.engine.fit.FitError` naming the smallest need.
+one-line :class:`~diffusion_offload.models.fit.FitError` naming the smallest need.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Sizes:
 * With weight files, a component's persistent bytes come from its safetensors headers,
   read with safetensors' own reader (``safe_open``; the header only, validated against the
   file size), of the files diffusers loads for the chosen variant
-  (``engine.model_files.weight_files``: ``variant_compatible_siblings`` and sharded
+  (``models.files.weight_files``: ``variant_compatible_siblings`` and sharded
   indexes). Floating tensors count at the load dtype, except those the library keeps in
   float32 (diffusers' ``_keep_in_fp32_modules`` for any load dtype; transformers'
   ``_keep_in_fp32_modules`` for float16 and ``_keep_in_fp32_modules_strict`` for float16

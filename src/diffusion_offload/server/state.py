@@ -286,7 +286,7 @@ class BaseServerState:
         self.settings = settings
         self.metrics = metrics
         self.engine: Any = None
-        self.rules: Any = None  # engine.requests.ModelRules once loaded (None for test doubles)
+        self.rules: Any = None  # models.rules.ModelRules once loaded (None for test doubles)
         self.limits = Limits(
             settings.max_pixels, settings.max_frames, settings.max_steps, settings.size_multiple or 16
         )

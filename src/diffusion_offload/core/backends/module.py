@@ -35,7 +35,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         device_memory_budget: bytes of component weights that may stay resident, ``"auto"``
             (free device memory at enable minus max(10 % of the device, 1 GiB) for
             activations; unlimited on the fake device without a capacity), or None (the
-            default): the strict rule. See ``diffusion_offload.policy``.
+            default): the strict rule. See ``diffusion_offload.core.policy``.
 
     Raises:
         TypeError, ValueError: an invalid config (``mode="layer"``: use
