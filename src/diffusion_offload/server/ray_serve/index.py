@@ -63,7 +63,7 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from .app import _bind, _fail, build_app
+from .app import bind_socket, build_app, fail
 from .jobs import IN_PROGRESS, Job, JobAbandoned, JobInProgress, JobManager, QueueFull, ShuttingDown
 from .metrics import ENGINE_FAMILIES, HTTP_FAMILIES, JOB_FAMILIES, ServerMetrics, merge_snapshots
 from .state import (
@@ -71,7 +71,7 @@ from .state import (
     ClientGone,
     ServerSettings,
     ServerState,
-    _error_code,
+    job_error_code,
     job_error_message,
     job_failure,
     submit_error,
@@ -168,7 +168,7 @@ class JobIndex:
             self._dispatch,
             settings.max_queue,
             on_finish=self.metrics.observe_job,
-            error_code=_error_code,
+            error_code=job_error_code,
             error_message=job_error_message,
             job_ttl=settings.job_ttl,
             max_stored=settings.max_stored_jobs,
@@ -900,7 +900,7 @@ def serve_ray(args: argparse.Namespace) -> int:
         settings = ServerSettings.from_args(args)
         config = parse_config_args(args)
     except (CliError, ValueError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     quiet_libraries()
     from pathlib import Path
 
@@ -913,11 +913,11 @@ def serve_ray(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model)
         inspect_model(model_dir, getattr(args, "variant", None))
     except (ModelError, ValueError, TypeError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     try:
-        _bind(args.host, args.port).close()  # free now; Serve's proxy binds it
+        bind_socket(args.host, args.port).close()  # free now; Serve's proxy binds it
     except ValueError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     # a local folder by absolute path; a hub id as given (each node resolves it)
     model = str(model_dir.resolve()) if Path(args.model).is_dir() else args.model
     autoscale = tuple(args.autoscale) if args.autoscale else None
@@ -930,7 +930,7 @@ def serve_ray(args: argparse.Namespace) -> int:
     try:
         ray.init(**init)
     except Exception as exc:  # cannot connect, or cannot start
-        return _fail(f"--ray-address {args.ray_address!r}: cannot connect ({exc})" if args.ray_address
+        return fail(f"--ray-address {args.ray_address!r}: cannot connect ({exc})" if args.ray_address
                      else f"--ray: cannot start a local Ray cluster ({exc})")
     try:
         resources = ray.cluster_resources()
@@ -946,7 +946,7 @@ def serve_ray(args: argparse.Namespace) -> int:
             hint = ("" if use_gpus else
                     f"; start nodes with ray start --resources='{{\"{DEVICE_RESOURCE}\": 1}}' "
                     "(one per device), or use GPUs with --device cuda")
-            return _fail(f"{flag}: the Ray cluster has {have:g} {what}, fewer than the {need} "
+            return fail(f"{flag}: the Ray cluster has {have:g} {what}, fewer than the {need} "
                          f"generator replicas asked for{hint}")
         serve.start(http_options={"host": args.host, "port": args.port})
         engine_options = {"device": "cuda" if use_gpus else args.device, "dtype": args.dtype,
@@ -972,7 +972,7 @@ def serve_ray(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 undeploy(app_name, grace=0)
                 message = " ".join(str(exc).split())
-                return _fail(f"the application failed to deploy: {message[:2000]}")
+                return fail(f"the application failed to deploy: {message[:2000]}")
             count = f"{autoscale[0]}-{autoscale[1]} (autoscaled)" if autoscale else str(args.replicas)
             print(f"diffusion-offload: serving {args.model} at http://{args.host}:{args.port} on Ray "
                   f"Serve: {count} generator replica(s), {args.ingress_replicas or 1} ingress "
