@@ -10,7 +10,8 @@
 - :mod:`.engine_adapter`: pipeline capabilities and the step-progress hook.
 - :mod:`.errors`: OpenAI's error envelope.
 - :mod:`.ray_serve`: ``serve --ray``, the same app on Ray Serve with many replicas
-  (imported only then: it imports Ray).
+  (imported only then: it imports Ray); a package: the job index actor, the generator
+  and ingress deployments, building and deploying the application, the command.
 """
 
 from .app import ServerSettings, create_app, serve

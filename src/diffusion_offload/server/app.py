@@ -108,12 +108,13 @@ def build_app(state: BaseServerState) -> FastAPI:
 # ---------------------------------------------------------------------- CLI
 
 
-def _fail(message: str) -> int:
+def fail(message: str) -> int:
+    """Print ``diffusion-offload: error: MESSAGE`` to stderr; returns 2, the exit status."""
     print(f"diffusion-offload: error: {message}", file=sys.stderr)
     return 2
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket on ``host``:``port``.
 
     Raises:
@@ -169,7 +170,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
         config = parse_config_args(args)
     except (CliError, ValueError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
 
     quiet_libraries()
     from ..engine import FitError, ModelError
@@ -183,11 +184,11 @@ def serve(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model)
         inspect_model(model_dir, getattr(args, "variant", None))
     except (ModelError, ValueError, TypeError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     try:
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port)
     except ValueError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     variant = getattr(args, "variant", None)
     pinned = getattr(args, "max_pinned_memory", None)
     budget = getattr(args, "device_memory_budget", None)

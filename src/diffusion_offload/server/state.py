@@ -200,7 +200,8 @@ class JobSpec:
     size: str | None = None
 
 
-def _error_code(exc: BaseException) -> str:
+def job_error_code(exc: BaseException) -> str:
+    """The ``error.code`` of a job failed with ``exc``."""
     code = getattr(exc, "error_code", None)  # an exception that names its own code
     if isinstance(code, str):
         return code
@@ -225,7 +226,7 @@ def job_error_message(job: Job, exc: BaseException) -> str:
     """A failed job's error for the client: what failed, in the request's terms; the
     exception itself goes only to the server log."""
     what = describe_request(job)
-    code = _error_code(exc)
+    code = job_error_code(exc)
     if code == "out_of_memory":
         return (f"The device ran out of memory generating {what}; try a smaller size, fewer "
                 "frames, or a config that offloads more components.")
@@ -432,7 +433,7 @@ class ServerState(BaseServerState):
         self.jobs = JobManager(
             self._run_job,
             settings.max_queue,
-            error_code=_error_code,
+            error_code=job_error_code,
             error_message=job_error_message,
             job_ttl=settings.job_ttl,
             max_stored=settings.max_stored_jobs,
