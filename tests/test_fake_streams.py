@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diffusion_offload.testing import fake_accelerator as fa
+from diffusion_offload.testing.fake_accelerator import host_races, races
 
 D = 32  # block weights are D x D float32: 4096 bytes
 
@@ -292,24 +293,26 @@ def test_side_stream_compute_is_pending_too(streams, fake_device):
 def test_default_only_storages_stay_untracked(streams, fake_device):
     x = torch.randn(8, device=fake_device)
     y = (x * 2).sum()
-    assert fa.storage_key(x) not in fa._tracked and fa.storage_key(y) not in fa._tracked
+    assert fa.storage_key(x) not in races._tracked and fa.storage_key(y) not in races._tracked
     copy, _ = streams
     with fa.stream(copy):
         z = torch.ones(2, device=fake_device)
-    assert fa.storage_key(z) in fa._tracked
+    assert fa.storage_key(z) in races._tracked
 
 
 def test_no_stream_bookkeeping_until_a_side_stream_exists():
     code = (
         "import torch\n"
         "from diffusion_offload.testing import fake_accelerator as fa\n"
+        "from diffusion_offload.testing.fake_accelerator import races\n"
+        "from diffusion_offload.testing.fake_accelerator.state import state\n"
         "dev = fa.install()\n"
         "x = torch.randn(4, 4).to(dev, non_blocking=True)\n"
         "(x @ x).sum().item(); x.record_stream(torch.fakegpu.current_stream())\n"
-        "assert not fa._model_on and not fa._tracked, 'model path used'\n"
+        "assert not state.model_on and not races._tracked, 'model path used'\n"
         "assert fa.current_stream()._clock == {0: 0}\n"
         "fa.Stream()\n"
-        "assert fa._model_on\n"
+        "assert state.model_on\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -643,7 +646,7 @@ def test_host_read_after_the_host_waited_for_the_d2h_is_fine(
         read(host)
     assert host.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert fa.stats()["races_detected"] == 0
-    assert not fa._host_pending  # nothing left to track
+    assert not host_races._host_pending  # nothing left to track
 
 
 def test_host_knowledge_is_transitive_through_stream_waits(streams, fake_device, pinned_host):
@@ -842,13 +845,13 @@ def test_pageable_memory_is_never_pending(streams, fake_device):
         out.copy_(dev, non_blocking=True)  # the device side waits on the copy stream itself
     src.add_(1)
     assert out.tolist() == [1.0] * 4
-    assert not fa._host_pending and fa.stats()["races_detected"] == 0
+    assert not host_races._host_pending and fa.stats()["races_detected"] == 0
 
 
 def _host_mode_on() -> bool:
     n = torch._C._len_torch_dispatch_stack()
     return any(
-        isinstance(torch._C._get_dispatch_stack_at(i), fa._HostAccessMode) for i in range(n)
+        isinstance(torch._C._get_dispatch_stack_at(i), host_races._HostAccessMode) for i in range(n)
     )
 
 
@@ -856,21 +859,21 @@ def test_host_checks_cost_nothing_without_pending_copies(streams, fake_device, p
     """Only pinned storages with a pending copy are tracked: other host tensors are
     untouched by the check, and what completed is forgotten at the host's next wait."""
     copy, _ = streams
-    assert _host_mode_on() and not fa._host_pending  # install() pushed it, for good
+    assert _host_mode_on() and not host_races._host_pending  # install() pushed it, for good
     src = torch.arange(4.0).to(fake_device)
     host, ev = _issue_d2h("copy_side", copy, src, pinned_host)
-    assert len(fa._host_pending) == 1
+    assert len(host_races._host_pending) == 1
     other = torch.ones(4)
     other.add_(1)  # untracked: no race, no entry
-    assert (other * 2).tolist() == [4.0] * 4 and len(fa._host_pending) == 1
+    assert (other * 2).tolist() == [4.0] * 4 and len(host_races._host_pending) == 1
     ev.synchronize()
-    assert _host_mode_on() and not fa._host_pending
+    assert _host_mode_on() and not host_races._host_pending
     host.sum()
     # a freed pinned buffer with a pending copy is forgotten with it
     host2, _ = _issue_d2h("copy_side", copy, src, pinned_host)
-    assert len(fa._host_pending) == 1
+    assert len(host_races._host_pending) == 1
     del host2
-    assert not fa._host_pending
+    assert not host_races._host_pending
     fa.synchronize()  # src was read on the copy stream: order that before src is freed
 
 
@@ -929,6 +932,8 @@ def test_host_races_on_the_plain_path_without_side_streams():
     code = (
         "import torch\n"
         "from diffusion_offload.testing import fake_accelerator as fa\n"
+        "from diffusion_offload.testing.fake_accelerator import host_races, races\n"
+        "from diffusion_offload.testing.fake_accelerator.state import state\n"
         "dev = fa.install()\n"
         "d = torch.arange(4.0).to(dev)\n"
         "p = torch.zeros(4).pin_memory()\n"
@@ -950,7 +955,7 @@ def test_host_races_on_the_plain_path_without_side_streams():
         "else:\n"
         "    raise AssertionError('no race')\n"
         "torch.fakegpu.synchronize()\n"
-        "assert repr(y) and not fa._host_pending\n"
+        "assert repr(y) and not host_races._host_pending\n"
         "q = torch.ones(4).pin_memory()\n"
         "w = q.to(dev, non_blocking=True)\n"
         "q.sum()  # read-read: fine\n"
@@ -962,7 +967,7 @@ def test_host_races_on_the_plain_path_without_side_streams():
         "    raise AssertionError('no race')\n"
         "w.cpu()\n"
         "q.mul_(2)\n"
-        "assert not fa._model_on and not fa._tracked, 'model path used'\n"
+        "assert not state.model_on and not races._tracked, 'model path used'\n"
         "assert fa.stats()['races_detected'] == 3\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

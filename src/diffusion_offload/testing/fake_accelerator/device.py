@@ -1,0 +1,503 @@
+"""The ``fakegpu`` tensor and the path of every op on it: ``FakeDeviceTensor``, the
+accounting of its storages (allocation, growth in place, free), ``storage_key``, and the
+ATen dispatch, plain or inside the stream model (race checks, sequence numbers,
+``record_stream``, copy timing).
+
+When imported it registers ``FakeDeviceTensor`` and ``_dispatch`` as ``state.tensor_type``
+and ``state.dispatch``, for the host dispatch mode of ``host_races.py`` (below it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .counters import _count_copy, _counters, _reserve
+from .host_races import (
+    _after_transfer,
+    _blocking_device_read,
+    _host_begin,
+    _host_note,
+    _host_pending,
+    _mark_pinned,
+    _prune_host,
+)
+from .races import (
+    _StorageUse,
+    _begin_op,
+    _check_free,
+    _done,
+    _merge,
+    _note_allocation,
+    _op_kind,
+    _raise_deferred,
+    _returns_alias,
+    _tracked,
+)
+from .state import DEVICE_TYPE, _current, _lock, state
+from .streams import Stream, _as_stream
+
+_aten = torch.ops.aten
+
+
+def _release_storage(key: int) -> None:
+    with _lock:
+        entry = _counters.storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del _counters.storages[key]
+            _counters.allocated_bytes -= entry[1]
+            if _tracked:
+                st = _tracked.pop(key, None)
+                if st is not None:
+                    _check_free(st)
+
+
+def _track(inner: torch.Tensor) -> None:
+    """Count ``inner``'s storage as device memory while ``inner`` is alive.
+
+    Raises:
+        torch.OutOfMemoryError: a new storage would exceed the capacity.
+    """
+    if inner.__dict__.get("_fakegpu_tracked"):
+        return
+    storage = inner.untyped_storage()
+    key = storage._cdata
+    with _lock:
+        entry = _counters.storages.get(key)
+        if entry is None:
+            _reserve(storage.nbytes())
+            _counters.storages[key] = [1, storage.nbytes()]
+            if state.model_on:
+                _note_allocation(key, inner)
+        else:
+            entry[0] += 1
+    inner._fakegpu_tracked = True
+    weakref.finalize(inner, _release_storage, key)
+
+
+def _regrow(inner: torch.Tensor, before: int) -> None:
+    """Account a storage that an op grew in place (``resize_``, ``out=``) from ``before`` bytes.
+
+    Raises:
+        torch.OutOfMemoryError: the growth exceeds the capacity (the storage is shrunk back
+            to ``before`` bytes first, as a failed CUDA allocation leaves it).
+    """
+    storage = inner.untyped_storage()
+    with _lock:
+        entry = _counters.storages.get(storage._cdata)
+        if entry is None or storage.nbytes() == entry[1]:
+            return
+        try:
+            _reserve(storage.nbytes() - entry[1])
+        except torch.OutOfMemoryError:
+            storage.resize_(before)
+            raise
+        entry[1] = storage.nbytes()
+
+
+class FakeDeviceTensor(torch.Tensor):
+    """A tensor on the ``fakegpu`` device whose data lives in a CPU tensor ``_inner``.
+
+    Users never build one directly: ``tensor.to("fakegpu")`` and factory functions with
+    ``device="fakegpu"`` create them.
+    """
+
+    _inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "FakeDeviceTensor":
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            inner.size(),
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            layout=inner.layout,
+            device=state.device,
+            requires_grad=inner.requires_grad,
+        )
+        _track(inner)
+        out._inner = inner
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        """The values, read as CUDA prints: a blocking host read on the current stream.
+
+        Raises:
+            RaceError: the tensor's last writer on another stream (a pending copy) is not
+                ordered before the current stream or known complete by the host.
+        """
+        if state.model_on:
+            _blocking_device_read(self, "repr() (host read)")
+        return f"FakeDeviceTensor({self._inner!r}, device='{state.device}')"
+
+    def tolist(self) -> Any:
+        """Python values, as on CUDA: one device->host copy (counted in ``d2h_bytes``)."""
+        return self.cpu().tolist()
+
+    @classmethod
+    @torch.compiler.disable
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: D105
+        return _dispatch(func, args, kwargs or {})
+
+
+def _is_host_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor)
+
+
+def _unwrap(x: Any) -> Any:
+    return x._inner if isinstance(x, FakeDeviceTensor) else x
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _device_kwarg_is_host(kwargs: dict) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type != DEVICE_TYPE
+
+
+def _dispatch(func, args, kwargs):
+    """Run ``func`` on the inner host tensors (called from ``__torch_dispatch__``, which
+    is ``torch.compiler.disable``d: nothing here is traced).
+
+    Until a side stream is created or a copy bandwidth is set, ops take the plain path
+    (no stream bookkeeping at all); afterwards ``_dispatch_modelled`` runs the race
+    detector and the copy timing around it."""
+    if state.model_on:
+        return _dispatch_modelled(func, args, kwargs)
+    if func is _aten.record_stream.default:
+        return _record_stream(args[0], args[1])
+    if func in _TRANSFER_OPS:
+        return _dispatch_transfer_plain(func, args, kwargs)
+    return _dispatch_plain(func, args, kwargs)
+
+
+def _dispatch_transfer_plain(func, args, kwargs):
+    """A copy or host read outside the stream model (only the default stream exists).
+
+    Only its host side is modelled: a non-blocking copy with a pinned host storage takes
+    the default stream's next seq and stays pending for the host until a synchronize or
+    a blocking copy; with nothing pending and nothing non-blocking it is ``_dispatch_plain``.
+
+    Raises:
+        RaceError: the copy races a pending copy from or into the same pinned host storage.
+    """
+    info = _host_transfer(func, args, kwargs)
+    if info is None or not (_host_pending or info[2]):
+        return _dispatch_plain(func, args, kwargs)
+    host, write, non_blocking, op = info
+    T = state.default_stream
+    if host is None:  # _to_copy to the host (a pinned result when non-blocking), .item()
+        pending = non_blocking
+    else:
+        pinned, non_blocking = _host_begin(T, host, write, non_blocking, op)
+        pending = pinned and non_blocking
+    if pending:
+        with _lock:
+            seq = T._clock[0] + 1
+            T._clock[0] = seq
+    out = _dispatch_plain(func, args, kwargs)
+    if pending:
+        if host is None:  # t.to("cpu", non_blocking=True): a pinned result, as on CUDA
+            host = out
+            _mark_pinned(out)
+        _host_note(T, seq, host, write, op)
+    elif not non_blocking and _host_pending:
+        with _lock:
+            _merge(_done, T._clock)
+            _prune_host()
+    return out
+
+
+def _dispatch_plain(func, args, kwargs):
+    """Run ``func`` on the inner host tensors, without stream bookkeeping."""
+    if func is _aten.copy_.default:
+        dst, src = args[0], args[1]
+        if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(src):
+            _count_copy("h2d", _nbytes(dst))
+        elif _is_host_tensor(dst) and isinstance(src, FakeDeviceTensor):
+            _count_copy("d2h", _nbytes(dst))
+        _unwrap(dst).copy_(_unwrap(src), **{k: v for k, v in kwargs.items()})
+        return dst
+
+    if func is _aten._to_copy.default and _device_kwarg_is_host(kwargs):
+        src = args[0]
+        kw = dict(kwargs)
+        kw["device"] = torch.device("cpu")
+        kw.pop("non_blocking", None)
+        out = func(_unwrap(src), **kw)
+        _count_copy("d2h", _nbytes(out))
+        return out
+
+    if func is _aten._local_scalar_dense.default:  # ``.item()``: one device->host copy
+        _count_copy("d2h", args[0].element_size())
+        return func(_unwrap(args[0]))
+
+    nested = any(isinstance(a, (list, tuple, dict)) for a in args) or any(
+        isinstance(v, (list, tuple, dict)) for v in kwargs.values()
+    )
+    flat = pytree.tree_flatten((args, kwargs))[0] if nested else [*args, *kwargs.values()]
+    for x in flat:
+        if _is_host_tensor(x) and x.dim() > 0 and x.device.type == "cpu":
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two "
+                f"devices, {state.device} and cpu! (in {func})"
+            )
+
+    if func._schema.is_mutable:  # resize_, out= ops: storages may grow, shapes change
+        return _dispatch_mutating(func, args, kwargs, flat)
+
+    host_out = _device_kwarg_is_host(kwargs)
+    inners = {id(x._inner): x for x in flat if isinstance(x, FakeDeviceTensor)}
+    if nested:
+        u_args = pytree.tree_map(_unwrap, args)
+        u_kwargs = pytree.tree_map(_unwrap, kwargs)
+    else:  # the common case, without pytree's overhead
+        u_args = tuple(_unwrap(a) for a in args)
+        u_kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
+    if "device" in u_kwargs and not host_out and u_kwargs["device"] is not None:
+        u_kwargs["device"] = torch.device("cpu")
+    out = func(*u_args, **u_kwargs)
+    if host_out:
+        return out
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor):
+            same = inners.get(id(x))
+            if same is not None and same._inner is x:
+                return same
+            return FakeDeviceTensor(x)
+        return x
+
+    def wrap_all(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return wrap(x)
+        return pytree.tree_map(wrap, x)
+
+    if torch.is_inference_mode_enabled() and _returns_alias(func) and any(
+        isinstance(x, FakeDeviceTensor) and not x.is_inference() for x in flat
+    ):
+        # a view of an ordinary tensor is ordinary, also inside inference mode (autograd
+        # then gives it the base's version counter, which an inference tensor cannot hold)
+        with torch.inference_mode(False):
+            return wrap_all(out)
+    return wrap_all(out)
+
+
+def _dispatch_mutating(func, args, kwargs, flat):
+    """Run an op that writes its arguments, as CUDA would: grown storages are counted and
+    capped, and a written argument whose shape changed takes the new shape."""
+    fakes = [x for x in flat if isinstance(x, FakeDeviceTensor)]
+    before = {id(x): x._inner.untyped_storage().nbytes() for x in fakes}
+    if func is _aten.resize_.default:
+        self = args[0]
+        needed = (self.storage_offset() + _numel(args[1])) * self.element_size()
+        grow = needed - before[id(self)]
+        if grow > 0:
+            with _lock:
+                capacity = _counters.capacity
+                if capacity is not None and _counters.allocated_bytes + grow > capacity:
+                    raise torch.OutOfMemoryError(
+                        f"fakegpu out of memory: tried to allocate {grow} bytes with "
+                        f"{_counters.allocated_bytes} bytes allocated and a capacity of "
+                        f"{capacity} bytes"
+                    )
+    out = func(*pytree.tree_map(_unwrap, args), **pytree.tree_map(_unwrap, kwargs))
+    for x in fakes:
+        inner = x._inner
+        if inner.untyped_storage().nbytes() != before[id(x)]:
+            _regrow(inner, before[id(x)])
+        if (
+            x.shape != inner.shape
+            or x.stride() != inner.stride()
+            or x.storage_offset() != inner.storage_offset()
+        ):
+            _reshape_wrapper(x)
+    inners = {id(x._inner): x for x in fakes}
+    return pytree.tree_map(
+        lambda r: inners.get(id(r), FakeDeviceTensor(r))
+        if isinstance(r, torch.Tensor) and not isinstance(r, FakeDeviceTensor)
+        else r,
+        out,
+    )
+
+
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
+
+
+def _reshape_wrapper(x: FakeDeviceTensor) -> None:
+    """Give the wrapper ``x`` its inner tensor's new shape, keeping ``x``'s identity.
+
+    A wrapper subclass's sizes are fixed at creation; CUDA changes a tensor's sizes in
+    place (``resize_``, ``out=``). The same object is given a fresh wrapper's
+    ``TensorImpl`` (``torch._C._swap_tensor_impl``), so the caller's variable sees it.
+    """
+    fresh = FakeDeviceTensor(x._inner)
+    torch._C._swap_tensor_impl(x, fresh)
+
+
+_TRANSFER_OPS = frozenset(
+    {_aten.copy_.default, _aten._to_copy.default, _aten._local_scalar_dense.default}
+)
+
+
+def _host_transfer(func, args, kwargs):
+    """(host tensor or None, whether the host memory is written, non_blocking, op name)
+    of a transfer op (``copy_``, ``_to_copy`` to the host, ``.item()``); None if ``func``
+    moves no data between host and device. The host tensor is None for a new result
+    (``_to_copy``) and for ``.item()``."""
+    if func is _aten.copy_.default:
+        dst, src = args[0], args[1]
+        nb = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        if isinstance(dst, FakeDeviceTensor) and _is_host_tensor(src):
+            return src, False, nb, "host-to-device copy"
+        if _is_host_tensor(dst) and isinstance(src, FakeDeviceTensor):
+            return dst, True, nb, "device-to-host copy (host read)"
+        return None
+    if func is _aten._to_copy.default:
+        if not _device_kwarg_is_host(kwargs):
+            return None
+        nb = bool(kwargs.get("non_blocking", False))
+        return None, True, nb, "device-to-host copy (host read)"
+    return None, False, False, "host read (.item())"
+
+
+def _copy_accesses(dst: Any, src: Any) -> tuple[list, str | None, str]:
+    dfake, sfake = isinstance(dst, FakeDeviceTensor), isinstance(src, FakeDeviceTensor)
+    accesses = []
+    if dfake:
+        accesses.append((dst, True))
+    if sfake:
+        accesses.append((src, False))
+    if dfake and not sfake:
+        return accesses, "h2d", "host-to-device copy"
+    if sfake and not dfake:
+        return accesses, "d2h", "device-to-host copy (host read)"
+    return accesses, None, "copy_"
+
+
+def _dispatch_modelled(func, args, kwargs):
+    """``_dispatch_plain`` inside the stream model: race checks, seq numbers, copy timing."""
+    if state.deferred:
+        _raise_deferred()
+    if func is _aten.record_stream.default:
+        return _record_stream(args[0], args[1])
+    T = _current()
+    transfer = None
+    non_blocking = pinned = False
+    host = None
+    if func is _aten.copy_.default:
+        accesses, transfer, op = _copy_accesses(args[0], args[1])
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        if transfer is not None:
+            host = args[1] if transfer == "h2d" else args[0]
+            pinned, non_blocking = _host_begin(T, host, transfer == "d2h", non_blocking, op)
+    elif func is _aten._to_copy.default and _device_kwarg_is_host(kwargs):
+        accesses, transfer, op = [(args[0], False)], "d2h", "device-to-host copy (host read)"
+        non_blocking = pinned = bool(kwargs.get("non_blocking", False))  # a pinned result
+    elif func is _aten._local_scalar_dense.default:
+        accesses, transfer, op = [(args[0], False)], "d2h", "host read (.item())"
+    else:
+        kind = _op_kind(func)
+        if kind is None:
+            return _dispatch_plain(func, args, kwargs)
+        pos, names, op = kind
+        accesses = []
+        for i, a in enumerate(args):
+            if isinstance(a, FakeDeviceTensor):
+                accesses.append((a, i in pos))
+            elif isinstance(a, (list, tuple)):
+                accesses.extend((b, i in pos) for b in a if isinstance(b, FakeDeviceTensor))
+        for k, v in kwargs.items():
+            if isinstance(v, FakeDeviceTensor):
+                accesses.append((v, k in names))
+            elif isinstance(v, (list, tuple)):
+                accesses.extend((b, k in names) for b in v if isinstance(b, FakeDeviceTensor))
+    seq = _begin_op(T, accesses, op)
+    out = _dispatch_plain(func, args, kwargs)
+    if T._sid != 0:
+        _mark_outputs(T, out, seq, op, accesses)
+    if transfer is not None:
+        if func is _aten.copy_.default:
+            nbytes = _nbytes(args[0])
+        elif func is _aten._to_copy.default:
+            nbytes = _nbytes(out)
+            if non_blocking:  # as on CUDA: the result is pinned, the copy pending for the host
+                host = out
+                _mark_pinned(out)
+        else:
+            nbytes = args[0].element_size()
+        if pinned and non_blocking:
+            _host_note(T, seq, host, transfer == "d2h", op)
+        _after_transfer(T, nbytes, non_blocking)
+    return out
+
+
+def _mark_outputs(T: Stream, out: Any, seq: int, op: str, accesses: list) -> None:
+    """Note the new storages an op on side stream ``T`` produced as written at ``seq``."""
+    if isinstance(out, FakeDeviceTensor):
+        outs = [out]
+    elif isinstance(out, (list, tuple)):
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, FakeDeviceTensor)]
+    else:
+        return
+    if not outs:
+        return
+    inputs = {x._inner.untyped_storage()._cdata for x, _ in accesses}
+    sid = T._sid
+    with _lock:
+        for o in outs:
+            key = o._inner.untyped_storage()._cdata
+            if key in inputs:
+                continue
+            st = _tracked.get(key)
+            if st is None:
+                st = _tracked[key] = _StorageUse(sid, o._inner.shape, o.dtype)
+            st.uses[sid] = st.writes[sid] = (seq, op)
+
+
+def _record_stream(t: torch.Tensor, s: Any) -> None:
+    """``aten::record_stream``: uses of ``t`` on ``s`` no longer make freeing ``t`` a race
+    (the caching allocator would defer reuse of the memory until that work completes)."""
+    if not isinstance(t, FakeDeviceTensor):
+        raise TypeError(f"record_stream takes a {DEVICE_TYPE} tensor, got one on {t.device}")
+    if state.deferred:
+        _raise_deferred()
+    u = _as_stream(s)._sid
+    key = t._inner.untyped_storage()._cdata
+    with _lock:
+        st = _tracked.get(key)
+        if st is None:
+            if u == 0:
+                return None  # default-stream-only storage: nothing to defer
+            st = _tracked[key] = _StorageUse(0, t._inner.shape, t.dtype)
+        st.recorded.add(u)
+    return None
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key of ``live_storages`` for the ``fakegpu`` tensor ``t``.
+
+    Raises:
+        TypeError: ``t`` is not on the fake device.
+    """
+    if not isinstance(t, FakeDeviceTensor):
+        raise TypeError(f"storage_key takes a {DEVICE_TYPE} tensor, got one on {t.device}")
+    return t._inner.untyped_storage()._cdata
+
+
+# the host dispatch mode (host_races.py, below this module) hands fakegpu ops to _dispatch
+state.tensor_type = FakeDeviceTensor
+state.dispatch = _dispatch
