@@ -159,6 +159,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def unresolved(modules: dict[str, Module]) -> list[str]:
+    """``module:line`` for each import of a ``ROOT`` module that does not exist (a relative
+    import left pointing at a file's old place)."""
+    found = []
+    for name, module in modules.items():
+        for target, _, line in module.imports:
+            if (target == ROOT or target.startswith(ROOT + ".")) and target not in modules:
+                found.append(f"{name}:{line} imports {target}, which does not exist")
+    return found
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
@@ -220,6 +231,10 @@ def test_no_import_cycle(modules: dict[str, Module]) -> None:
     assert cycles(edges(modules)) == []
 
 
+def test_every_import_of_the_package_resolves(modules: dict[str, Module]) -> None:
+    assert unresolved(modules) == []
+
+
 def test_no_private_name_crosses_a_package(modules: dict[str, Module]) -> None:
     assert private_imports(modules) == []
 
@@ -271,6 +286,19 @@ def test_a_cycle_through_a_lazy_reexport_is_found(tmp_path: Path) -> None:
         "plan/auto.py": "def g():\n    from ..eng import Omni\n",
     })
     assert cycles(edges(mods)) == [[f"{ROOT}.eng.omni", f"{ROOT}.plan.auto"]]
+
+
+def test_an_import_of_a_missing_module_is_found(tmp_path: Path) -> None:
+    mods = _tree(tmp_path, {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/backends/__init__.py": "",
+        "core/policy.py": "",
+        "core/backends/module.py": "def f():\n    from .policy import resolve_budget\n",
+    })
+    assert unresolved(mods) == [
+        f"{ROOT}.core.backends.module:2 imports {ROOT}.core.backends.policy, which does not exist"
+    ]
 
 
 def test_a_private_name_from_another_package_is_found(tmp_path: Path) -> None:

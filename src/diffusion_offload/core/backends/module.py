@@ -63,8 +63,6 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         )
         if device_memory_budget is not None:
             # validate now (the bytes of "auto" are measured at enable)
-            from .policy import resolve_budget
-
             if device_memory_budget != "auto":
                 resolve_budget(device_memory_budget, self.platform)
             elif not isinstance(device_memory_budget, str):
