@@ -15,7 +15,16 @@ What it gives a test that a CPU run cannot:
 * **Exact accounting.** ``stats()`` counts device bytes of live storages
   (``allocated_bytes``; a view adds 0), their high-water mark (``peak_bytes``), bytes
   copied host->device (``h2d_bytes``) and device->host (``d2h_bytes``), one ``transfers``
-  per tensor copy between host and device, and ``synchronizes``.
+  per tensor copy between host and device, and ``synchronizes``. ``device_ops`` counts
+  the ops a GPU would launch as one kernel or copy each (every ATen op on ``fakegpu``
+  tensors that is no view, in-place view op, allocation without a fill (``empty``,
+  ``empty_strided``, ``empty_like``) or metadata query, once per op issued: not the
+  fake's own re-dispatches inside one), host<->device copies included; ``host_waits``
+  counts the calls that block the host on the device (device->host copies, ``.item()``,
+  ``.tolist()``, non-blocking ones into pinned memory included; ops whose result the
+  host reads, such as ``equal``, ``nonzero`` or a boolean-mask index;
+  ``synchronize()``, ``Stream``/``Event`` ``synchronize()`` and ``query()``;
+  ``repr()``). ``counters.stats`` documents both exactly.
 * **Capacity.** ``set_capacity(nbytes)`` makes an allocation that would push
   ``allocated_bytes`` above ``nbytes`` raise ``torch.OutOfMemoryError``.
 * **``.data`` assignment across host and device** works as on CUDA (``install`` puts a

@@ -18,6 +18,8 @@ class _Counters:
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.transfers = 0
+        self.device_ops = 0
+        self.host_waits = 0
         self.synchronizes = 0
         self.stream_waits = 0
         self.events = 0
@@ -54,6 +56,21 @@ def _count_copy(direction: str, nbytes: int) -> None:
         _counters.transfers += 1
 
 
+def _count_op(host_wait: bool) -> None:
+    """Count one device op (a kernel launch or copy on a GPU); ``host_wait``: the host
+    blocks on its result (a device->host read)."""
+    with _lock:
+        _counters.device_ops += 1
+        if host_wait:
+            _counters.host_waits += 1
+
+
+def _count_host_wait() -> None:
+    """Count one host wait that is no device op (a synchronize, a query, ``repr()``)."""
+    with _lock:
+        _counters.host_waits += 1
+
+
 def stats() -> dict[str, int]:
     """Counters of the fake device.
 
@@ -61,11 +78,43 @@ def stats() -> dict[str, int]:
         ``allocated_bytes`` (bytes of live device storages), ``peak_bytes`` (maximum of
         ``allocated_bytes`` since the last ``reset_stats``), ``h2d_bytes`` and ``d2h_bytes``
         (bytes copied host->device and device->host), ``transfers`` (tensor copies between
-        host and device), ``synchronizes`` (calls to the device-wide ``synchronize``),
+        host and device), ``device_ops`` and ``host_waits`` (below), ``synchronizes``
+        (calls to the device-wide ``synchronize``),
         ``stream_waits`` (calls of ``Stream.wait_event``/``wait_stream``/``Event.wait``),
         ``events`` (``Event.record`` calls, ``Stream.record_event`` included),
         ``races_detected`` (races found, raised or pending), ``capacity`` (bytes, or -1
         for unlimited).
+
+        ``device_ops``: ops on ``fakegpu`` tensors that a GPU would run as one kernel or
+        copy each: every dispatch of an ATen op that is not a view (``OpOverload.is_view``
+        false) and not metadata or allocation only, counted once per op the program
+        issues (not the fake's own re-dispatches inside it). Not counted: views
+        (``view``, ``t``, ``expand``, ``detach``, ``split``...), in-place view ops
+        (tagged ``inplace_view``: ``t_``, ``detach_``, ``set_``, ``resize_``...),
+        allocation without a fill (``empty``, ``empty_strided``, ``empty_like``,
+        ``new_empty``, ``new_empty_strided``, ``empty_permuted``: no kernel on CUDA),
+        ``_unsafe_view``, ``record_stream``, ``_fused_sdp_choice`` and shape/pinning
+        queries, and ``t.data = new`` (rebinding, no copy). Counted: every compute
+        kernel; fills (``zero_``, ``fill_``, ``zeros``, ``full``, ``ones_like``: one
+        each); device factories that write (``arange``, ``linspace``); every copy
+        (``copy_``, ``_to_copy``, ``clone``), host<->device copies included (these are
+        ``transfers`` too), and ``.item()`` (one device->host copy).
+
+        ``host_waits``: calls that block the host until device work completes, as on
+        CUDA: every device->host copy (``.cpu()``, ``.to("cpu")``, ``.tolist()``,
+        ``.item()``, ``copy_`` into a host tensor; a ``non_blocking`` one into pinned
+        memory too, counted where it is issued although on CUDA it returns at once: the
+        host must wait for it before it reads the result, and that later wait, an event
+        or stream synchronize, counts as well), ops whose result the host
+        reads inside them (tagged ``data_dependent_output``, such as ``equal``; ops whose
+        output shape depends on the data, tagged ``dynamic_output_shape``, such as
+        ``nonzero``, ``masked_select``, ``unique``, and ``index``/``index_put_`` with a
+        boolean mask; ``_linalg_check_errors``, which reads the error codes back), the
+        device-wide ``synchronize()``, ``Stream.synchronize()``, ``Event.synchronize()``,
+        ``Stream.query()`` and ``Event.query()`` (every call, whatever it returns), and
+        ``repr()`` of a ``fakegpu`` tensor. Host->device copies are never host waits
+        (on CUDA a blocking copy from pageable memory also synchronizes the stream;
+        not modelled). The ops among these are device ops too.
     """
     with _lock:
         return {
@@ -74,6 +123,8 @@ def stats() -> dict[str, int]:
             "h2d_bytes": _counters.h2d_bytes,
             "d2h_bytes": _counters.d2h_bytes,
             "transfers": _counters.transfers,
+            "device_ops": _counters.device_ops,
+            "host_waits": _counters.host_waits,
             "synchronizes": _counters.synchronizes,
             "stream_waits": _counters.stream_waits,
             "events": _counters.events,
@@ -94,7 +145,8 @@ def live_storages() -> dict[int, int]:
 
 
 def reset_stats() -> None:
-    """Zero the transfer, synchronize, stream-wait, event and race counters;
+    """Zero the transfer, device-op, host-wait, synchronize, stream-wait, event and race
+    counters;
     ``peak_bytes`` := ``allocated_bytes``.
 
     Races found at frees and not yet raised are dropped too (the ``fake_device`` test
@@ -107,6 +159,8 @@ def reset_stats() -> None:
         _counters.h2d_bytes = 0
         _counters.d2h_bytes = 0
         _counters.transfers = 0
+        _counters.device_ops = 0
+        _counters.host_waits = 0
         _counters.synchronizes = 0
         _counters.stream_waits = 0
         _counters.events = 0

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .counters import _count_copy, _counters, _reserve
+from .counters import _count_copy, _count_host_wait, _count_op, _counters, _reserve
 from .host_races import (
     _after_transfer,
     _blocking_device_read,
@@ -127,12 +127,14 @@ class FakeDeviceTensor(torch.Tensor):
         return out
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        """The values, read as CUDA prints: a blocking host read on the current stream.
+        """The values, read as CUDA prints: a blocking host read on the current stream
+        (one ``host_waits``; no device op or transfer is counted).
 
         Raises:
             RaceError: the tensor's last writer on another stream (a pending copy) is not
                 ordered before the current stream or known complete by the host.
         """
+        _count_host_wait()
         if state.model_on:
             _blocking_device_read(self, "repr() (host read)")
         return f"FakeDeviceTensor({self._inner!r}, device='{state.device}')"
@@ -164,20 +166,107 @@ def _device_kwarg_is_host(kwargs: dict) -> bool:
     return device is not None and torch.device(device).type != DEVICE_TYPE
 
 
+# Non-view ops that launch no kernel on a GPU: allocation without a fill, metadata,
+# allocator bookkeeping and queries answered from metadata (``device_ops`` leaves them out).
+_NO_KERNEL = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "empty_permuted",
+        "new_empty",
+        "new_empty_strided",
+        "_unsafe_view",
+        "record_stream",
+        "set_data",
+        "is_same_size",
+        "is_set_to",
+        "is_pinned",
+        "_has_compatible_shallow_copy_type",
+        "_fused_sdp_choice",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+    }
+)
+# ops whose result the host reads inside them on CUDA, beyond the tagged ones
+_HOST_READ_OPS = frozenset({"_linalg_check_errors"})
+# ops whose host wait depends on their arguments (the copy's direction, a boolean mask)
+_WAIT_BY_ARGS = frozenset(
+    {
+        _aten.copy_.default,
+        _aten._to_copy.default,
+        _aten.index.Tensor,
+        _aten.index_put.default,
+        _aten.index_put_.default,
+        _aten._index_put_impl_.default,
+    }
+)
+_NOT_COUNTED, _DEVICE_OP, _DEVICE_OP_HOST_WAIT, _BY_ARGS = 0, 1, 2, 3
+_op_counts: dict[Any, int] = {}  # func -> one of the four above
+
+
+def _op_count(func: Any) -> int:
+    """How one dispatch of ``func`` counts in ``device_ops`` and ``host_waits`` (cached)."""
+    count = _op_counts.get(func)
+    if count is None:
+        tags = func.tags
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or torch.Tag.inplace_view in tags or name in _NO_KERNEL:
+            count = _NOT_COUNTED
+        elif func in _WAIT_BY_ARGS:
+            count = _BY_ARGS
+        elif (
+            name in _HOST_READ_OPS
+            or torch.Tag.data_dependent_output in tags
+            or torch.Tag.dynamic_output_shape in tags
+        ):
+            count = _DEVICE_OP_HOST_WAIT
+        else:
+            count = _DEVICE_OP
+        _op_counts[func] = count
+    return count
+
+
+def _waits_by_args(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a dispatch of a ``_WAIT_BY_ARGS`` op makes the host wait: a copy to the
+    host, or indexing with a boolean mask (CUDA turns the mask into ``nonzero``, whose
+    output size the host reads)."""
+    if func is _aten.copy_.default:
+        return _is_host_tensor(args[0]) and isinstance(args[1], FakeDeviceTensor)
+    if func is _aten._to_copy.default:
+        return _device_kwarg_is_host(kwargs)
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
+
+
 def _dispatch(func, args, kwargs):
     """Run ``func`` on the inner host tensors (called from ``__torch_dispatch__``, which
-    is ``torch.compiler.disable``d: nothing here is traced).
+    is ``torch.compiler.disable``d: nothing here is traced), and count it in
+    ``device_ops``/``host_waits``: this is the one entry of an op on ``fakegpu`` tensors
+    (nothing below it dispatches to it again), so each op counts once.
 
     Until a side stream is created or a copy bandwidth is set, ops take the plain path
     (no stream bookkeeping at all); afterwards ``_dispatch_modelled`` runs the race
     detector and the copy timing around it."""
+    count = _op_count(func)
     if state.model_on:
-        return _dispatch_modelled(func, args, kwargs)
-    if func is _aten.record_stream.default:
+        out = _dispatch_modelled(func, args, kwargs)
+    elif func is _aten.record_stream.default:
         return _record_stream(args[0], args[1])
-    if func in _TRANSFER_OPS:
-        return _dispatch_transfer_plain(func, args, kwargs)
-    return _dispatch_plain(func, args, kwargs)
+    elif func in _TRANSFER_OPS:
+        out = _dispatch_transfer_plain(func, args, kwargs)
+    else:
+        out = _dispatch_plain(func, args, kwargs)
+    if count:
+        _count_op(
+            count == _DEVICE_OP_HOST_WAIT
+            or (count == _BY_ARGS and _waits_by_args(func, args, kwargs))
+        )
+    return out
 
 
 def _dispatch_transfer_plain(func, args, kwargs):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .counters import _count_copy, _counters
+from .counters import _count_copy, _count_op, _counters
 from .device import (
     FakeDeviceTensor,
     _aten,
@@ -44,7 +44,15 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 @torch.compiler.disable
 def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``aten::_copy_from`` for copies that reach the backend below Python dispatch
-    (``torch.tensor(data, device="fakegpu")`` copies this way)."""
+    (``torch.tensor(data, device="fakegpu")`` copies this way): one device op, and a host
+    wait when it copies to the host."""
+    out = _copy_from_uncounted(self, dst, non_blocking)
+    _count_op(_is_host_tensor(dst) and not _is_host_tensor(self))
+    return out
+
+
+def _copy_from_uncounted(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    """``_copy_from`` without counting it (``_count_op``)."""
     host_side = _is_host_tensor(self) != _is_host_tensor(dst)
     if state.model_on:
         if state.deferred:
@@ -82,6 +90,7 @@ def _arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory
     are fixed at creation); build the result whole."""
     out = FakeDeviceTensor(torch.arange(start, end, step, dtype=dtype))
     _note_kernel_write(out, "aten.arange")
+    _count_op(False)
     return out
 
 
@@ -90,6 +99,7 @@ def _arange_end(end, dtype=None, layout=None, device=None, pin_memory=None):
     """``aten::arange``: see ``_arange``."""
     out = FakeDeviceTensor(torch.arange(end, dtype=dtype))
     _note_kernel_write(out, "aten.arange")
+    _count_op(False)
     return out
 
 
@@ -98,6 +108,7 @@ def _linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memor
     """``aten::linspace``, built whole for the same reason as ``_arange``."""
     out = FakeDeviceTensor(torch.linspace(start, end, steps, dtype=dtype))
     _note_kernel_write(out, "aten.linspace")
+    _count_op(False)
     return out
 
 

@@ -167,14 +167,16 @@ class Stream(torch.Stream):
         """Block the host until all work queued on this stream is complete.
 
         Sleeps until the stream's virtual completion time; afterwards all of it (and all
-        it waited on) counts as complete for the race detector. Not counted in
-        ``synchronizes`` (that counts device-wide ``synchronize()`` only).
+        it waited on) counts as complete for the race detector. Counts one
+        ``host_waits``; not counted in ``synchronizes`` (that counts device-wide
+        ``synchronize()`` only).
 
         Raises:
             RaceError: a race found at an earlier free is pending.
         """
         _raise_deferred()
         with _lock:
+            _counters.host_waits += 1
             ready = self._busy_until
             _merge(_done, self._clock)
         _host_settle_point()
@@ -184,8 +186,11 @@ class Stream(torch.Stream):
         """Whether all work queued on this stream is complete (by virtual time).
 
         True marks that work complete for the race detector, as the host then knows it is.
+        Counts one ``host_waits`` whatever it returns (a call the host makes to learn the
+        device's progress).
         """
         with _lock:
+            _counters.host_waits += 1
             if time.perf_counter() < self._busy_until:
                 return False
             _merge(_done, self._clock)
@@ -259,13 +264,16 @@ class Event:
     def synchronize(self) -> None:
         """Block the host until the recorded work is complete (no-op if never recorded).
 
+        Counts one ``host_waits`` (also for an event never recorded).
+
         Raises:
             RaceError: a race found at an earlier free is pending.
         """
         _raise_deferred()
-        if self._clock is None:
-            return
         with _lock:
+            _counters.host_waits += 1
+            if self._clock is None:
+                return
             _merge(_done, self._clock)
         _host_settle_point()
         _sleep_until(self._ready)
@@ -273,11 +281,13 @@ class Event:
     def query(self) -> bool:
         """Whether the recorded work is complete (by virtual time); True if never recorded.
 
-        True marks that work complete for the race detector.
+        True marks that work complete for the race detector. Counts one ``host_waits``
+        whatever it returns (also for an event never recorded).
         """
-        if self._clock is None:
-            return True
         with _lock:
+            _counters.host_waits += 1
+            if self._clock is None:
+                return True
             if time.perf_counter() < self._ready:
                 return False
             _merge(_done, self._clock)
@@ -381,7 +391,8 @@ def set_copy_bandwidth(bytes_per_second: float | None) -> None:
 
 
 def synchronize() -> None:
-    """Block the host until all work on every stream completes; counts one ``synchronizes``.
+    """Block the host until all work on every stream completes; counts one ``synchronizes``
+    and one ``host_waits``.
 
     With ``set_copy_bandwidth``, sleeps until the last queued copy's virtual completion.
     Afterwards no work is pending for the race detector.
@@ -391,6 +402,7 @@ def synchronize() -> None:
     """
     with _lock:
         _counters.synchronizes += 1
+        _counters.host_waits += 1
         ready = 0.0
         for s in state.streams.values():
             _merge(_done, s._clock)
