@@ -47,7 +47,7 @@ an identical one, so its first forward is a transition from the last one).
 The breakdown (below the table) attributes each device op, host wait and copy of ours to
 the innermost engine function running when it was issued (``SequentialOffloadHook``,
 ``ComponentWeights``, ``Mover``, ``BlockStreamer``, ``MemoryPolicy`` methods and
-``fingerprints``, wrapped for the run; "pipeline" is everything outside them), with the
+``core.transfer.fingerprints`` wherever it was imported, wrapped for the run; "pipeline" is everything outside them), with the
 number of calls and the cost per call including its callees, so that the cost per
 component load (``ComponentWeights.load``), eviction (``ComponentWeights.evict``) or block
 release (``BlockStreamer._release``) reads off directly. ``Stream``/``Event``
@@ -134,8 +134,6 @@ _WRAPPED: list[tuple[Any, str]] = [
     (policy.MemoryPolicy, "prefetch_next"),
     (policy.MemoryPolicy, "order_pending"),
 ]
-# modules whose global ``fingerprints`` (imported from core.transfer) is wrapped too
-_FINGERPRINT_USERS = (transfer, streamer, residency)
 
 _stack: list[list[int]] = []  # per active wrapped call: ops, waits, copies of its children
 # name -> [calls, device ops, host waits, copies (its own), then the same three inclusive]
@@ -202,8 +200,8 @@ def install_attribution() -> None:
         not_wrapped.append("fingerprints")
         return
     wrapped = _attributed("fingerprints", real)
-    for mod in _FINGERPRINT_USERS:
-        if getattr(mod, "fingerprints", None) is real:
+    for name, mod in list(sys.modules.items()):  # every module that imported it
+        if name.startswith("diffusion_offload.") and getattr(mod, "fingerprints", None) is real:
             mod.fingerprints = wrapped
 
 
