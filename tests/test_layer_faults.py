@@ -232,6 +232,8 @@ def _write_op(t: torch.Tensor, op: str) -> None:
     with torch.no_grad():
         if op == "data.add_":
             t.data.add_(1.0)  # a .data in-place write: _version does not see it
+        elif op == "data=":
+            t.data = t.data + 1.0  # a .data reassignment: a new storage, new bytes
         else:
             t.add_(0.5)  # an in-place write under no_grad
 
@@ -432,13 +434,17 @@ def _budget_for_two_of_three(device: torch.device) -> int:
     return fixed + sel[0] + sel[1]
 
 
-def _writer(ctx: Ctx, block: str) -> Callable[..., None]:
-    """A forward pre-hook that writes the block's weights while it is on the device."""
+def _writer(ctx: Ctx, block: str, weight_op: str = "data.add_") -> Callable[..., None]:
+    """A forward pre-hook that writes the block's weights while it is on the device.
+
+    Inside the block's own forward (``weight_op="data="``) the writes are the kinds the
+    host sees (a reassignment, an in-place op); between requests also a ``.data``
+    in-place write, which only the device fingerprints see (README, write detection)."""
 
     def hook(module: nn.Module, args: tuple) -> None:
-        _write_op(module.fc.weight, "data.add_")
+        _write_op(module.fc.weight, weight_op)
         _write_op(module.fc.bias, "add_")
-        ctx.writes += [(f"{block}.fc.weight", "data.add_"), (f"{block}.fc.bias", "add_")]
+        ctx.writes += [(f"{block}.fc.weight", weight_op), (f"{block}.fc.bias", "add_")]
 
     return hook
 
@@ -472,7 +478,7 @@ def _prepare(ctx: Ctx, scenario: str) -> None:
         ctx.request()
     if scenario == "writeback_release":
         block = ctx.pipe.transformer.blocks[1]  # registered after the offload pre-hook: runs on the device
-        ctx.hooks.append(block.register_forward_pre_hook(_writer(ctx, "transformer.blocks.1")))
+        ctx.hooks.append(block.register_forward_pre_hook(_writer(ctx, "transformer.blocks.1", "data=")))
     elif scenario == "carried_write":
         fa.synchronize()  # the write itself must not race the copy (item 2 is tested elsewhere)
         on_dev = [n for n, m in ctx.blocks.items() if all(t.device == ctx.device for _, t in _tensors(m))]

@@ -444,13 +444,55 @@ def test_layer_blocks_override_and_trunk_placement(fake_device):
         assert not backend.is_enabled()
 
 
-def test_a_block_written_while_resident_is_written_back(fake_device):
+@pytest.mark.parametrize("write", ["in_place", "data_reassigned"])
+def test_a_block_written_while_resident_is_written_back(fake_device, write):
+    """Inside its forward a streamed block's writes are seen on the host: an in-place op
+    bumps the version counter (no device op, no read-back); a ``.data`` reassignment
+    changes the storage identity (the device fingerprint then decides)."""
     pipe = OneDiT(num_blocks=3)
     x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
     block = pipe.transformer.blocks[1]
 
     def bump(module, args):
-        module.fc1.weight.data.add_(1.0)  # a ``.data`` in-place write, invisible to _version
+        w = module.fc1.weight
+        if write == "in_place":
+            with torch.no_grad():
+                w.add_(1.0)
+        else:
+            w.data = w.data + 1.0
+
+    with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
+        backend.enable(pipe)
+        before = block.fc1.weight.detach().clone()
+        with torch.no_grad():
+            pipe(x.to(fake_device))  # the first call learns the order
+        checks = backend.stats.snapshot()
+        handle = block.register_forward_pre_hook(bump)
+        with torch.no_grad():
+            pipe(x.to(fake_device))
+        handle.remove()
+        done = backend.stats.since(checks)
+        assert block.fc1.weight.device.type == "cpu"
+        assert torch.equal(block.fc1.weight.detach(), before + 1.0)
+        assert done.d2h_bytes == block.fc1.weight.numel() * 4
+        # blocks 1 and 2 load and release inside the call: decided on the host; block 0,
+        # the carried prefetch, was on the device across the calls' boundary
+        assert done.host_checks == (2 if write == "in_place" else 1)
+        assert backend.audit() == []
+    assert _races() == 0
+
+
+def test_a_data_in_place_write_inside_the_blocks_own_forward_is_the_one_residual(fake_device):
+    """README, write detection: ``p.data.add_(x)`` on a streamed block inside its own
+    forward changes neither its version counter nor its storage: the host check cannot
+    see it and the write is lost at the release (layer mode only; between calls, and in
+    module mode, the device fingerprints catch it)."""
+    pipe = OneDiT(num_blocks=3)
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    block = pipe.transformer.blocks[1]
+
+    def bump(module, args):
+        module.fc1.weight.data.add_(1.0)
 
     with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
         backend.enable(pipe)
@@ -459,9 +501,34 @@ def test_a_block_written_while_resident_is_written_back(fake_device):
         with torch.no_grad():
             pipe(x.to(fake_device))
         handle.remove()
-        assert block.fc1.weight.device.type == "cpu"
-        assert torch.equal(block.fc1.weight.detach(), before + 1.0)
-        assert backend.stats.d2h_bytes == block.fc1.weight.numel() * 4
+        assert torch.equal(block.fc1.weight.detach(), before)
+        assert backend.stats.d2h_bytes == 0
+        assert backend.audit() == []
+
+
+def test_a_data_in_place_write_to_the_carried_prefetch_between_calls_is_written_back(fake_device):
+    """The carried prefetch sits on the device between calls, where the caller's code
+    runs (peft's merge writes ``p.data`` in place): its release is decided by the device
+    fingerprints."""
+    pipe = OneDiT(num_blocks=3)
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    with LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device) as backend:
+        backend.enable(pipe)
+        with torch.no_grad():
+            pipe(x.to(fake_device))
+            pipe(x.to(fake_device))
+        carried = [b for b in backend.streamer.on_device()]
+        assert [b.name for b in carried] == ["blocks.0"]
+        block = pipe.transformer.blocks[0]
+        before = block.fc1.weight.detach().cpu().clone()
+        block.fc1.weight.data.add_(1.0)
+        checks = backend.stats.snapshot()
+        with torch.no_grad():
+            pipe(x.to(fake_device))  # releases block 0 (written back), then carries it again
+        assert backend.stats.since(checks).d2h_bytes == block.fc1.weight.numel() * 4
+        # carried again, reloaded from the written-back host copy
+        assert [b.name for b in backend.streamer.on_device()] == ["blocks.0"]
+        assert torch.equal(block.fc1.weight.detach().cpu(), before + 1.0)
         assert backend.audit() == []
     assert _races() == 0
 

@@ -6,7 +6,8 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``config``: ``DiffusionOffloadConfig``, the validated offload config (torch-free).
 - ``platform``: one ``Platform`` per device kind (streams, events, pinning, memory queries).
 - ``hostmem``: host memory: pinning in place, what the host has.
-- ``transfer``: moving weights (``Mover``, ``Transaction``), fingerprints, ``TransferStats``.
+- ``writes``: write detection: fingerprints of a tensor's bytes, its host-visible write state.
+- ``transfer``: moving weights (``Mover``, ``Transaction``), ``TransferStats``.
 - ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).
 - ``policy``: the device-memory budget (``MemoryPolicy``): what stays resident.
 - ``discovery``: a pipeline's components and their roles (DiT, text encoder, VAE...).

@@ -279,7 +279,7 @@ class ComponentWeights:
         Raises:
             torch.OutOfMemoryError: no room for the component (nothing stays loaded).
         """
-        from .transfer import fingerprints
+        from .writes import fingerprints
 
         start = time.perf_counter()
         mover = self.mover

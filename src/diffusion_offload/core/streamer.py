@@ -20,13 +20,19 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   event, so whatever the caller runs between requests (a read, an in-place write,
   ``fuse_lora``) is ordered after that copy, and the pipeline's own read of its output
   orders the host too: no host wait is added;
-* a load is copies only. A release fingerprints the block's tensors on the device, folds
-  them into one 64-bit word and reads back those 8 bytes, to compare with the same fold
-  of the host copies' fingerprints (computed on the host, once per block, and updated at
-  every write-back; the fingerprint is exact integer arithmetic, equal on any device).
-  Only when they differ are the per-tensor fingerprints read back, and the tensors that
-  changed written back, as module mode does (section 4). Dropping a prefetch that guessed
-  wrong is a release like any other: a write made to it meanwhile is written back.
+* a load is copies only; it notes each tensor's host-visible write state
+  (``writes.write_state``: version counter, storage identity). A block released in the
+  stage call that loaded it is checked on the host against that state: no device op, no
+  host wait; a tensor written in place is written back. When the host cannot judge (the
+  block sat on the device across a call's boundary, as the carried prefetch does, or a
+  ``.data`` was reassigned), the release fingerprints the block's tensors on the device,
+  folds them into one 64-bit word and reads back those 8 bytes, to compare with the same
+  fold of the host copies' fingerprints (computed on the host, once per block, and
+  refreshed after a write-back; the fingerprint is exact integer arithmetic, equal on any
+  device). Only when they differ are the per-tensor fingerprints read back, and the
+  tensors that changed written back, as module mode does (section 4). Dropping a
+  prefetch that guessed wrong is a release like any other. The one write neither sees in
+  time: ``p.data.add_(x)`` on a streamed block inside its own forward.
 
 Other platforms copy synchronously on the current stream.
 
@@ -52,7 +58,8 @@ import torch
 
 from .platform import Platform
 from .residency import ComponentWeights
-from .transfer import Member, Mover, Transaction, fingerprints, record_on
+from .transfer import Member, Mover, Transaction, record_on
+from .writes import fingerprints, write_state
 
 __all__ = ["BlockStreamer", "CallKey", "StreamedBlock"]
 
@@ -61,7 +68,10 @@ logger = logging.getLogger(__name__)
 class StreamedBlock:
     """One streamed block: its weights, its place in its component, its device state."""
 
-    __slots__ = ("component", "index", "name", "weights", "event", "ref", "members", "on_device", "__weakref__")
+    __slots__ = (
+        "component", "index", "name", "weights", "event", "ref", "members", "on_device",
+        "epoch", "seen", "__weakref__",
+    )
 
     def __init__(self, component: str, index: int, name: str, weights: ComponentWeights) -> None:
         self.component = component
@@ -72,6 +82,8 @@ class StreamedBlock:
         self.ref: list[int] | None = None  # fingerprints of the host copies, per member
         self.members: list[Member] = []  # the members ``ref`` covers, in order
         self.on_device = False
+        self.epoch = -1  # the streamer's epoch when the block was loaded
+        self.seen: dict[int, tuple[int, int]] = {}  # id(member) -> write_state at load
 
     @property
     def nbytes(self) -> int:
@@ -102,10 +114,11 @@ class BlockStreamer:
             platform has streams). False: every block loads synchronously just before it
             is needed, and a component's first block before its forward starts, so
             results and what the model sees (``param.device``) are the same.
-        check_writes: compare each released block with its host copy (8 bytes read
-            back) and write changed weights back. False trusts that nothing writes the
-            weights while they are on the device (pure inference): no read-back, no
-            host wait per block, and a write to a streamed weight is lost.
+        check_writes: check each released block for writes (on the host inside a stage
+            call, else 8 bytes of device fingerprints read back) and write changed weights
+            back. False trusts that nothing writes the weights while they are on the
+            device (pure inference): no check at all, and a write to a streamed weight is
+            lost.
 
     The schedule is learned from the calls observed, never assumed:
 
@@ -161,6 +174,7 @@ class BlockStreamer:
         self._trace: dict[str, list[StreamedBlock]] = {}  # blocks run so far by each running call
         self._synchronous = 0  # > 0 during an out-of-memory retry: no prefetch
         self._last_block: StreamedBlock | None = None  # the block loaded or begun last (OOM messages)
+        self._epoch = 0  # + 1 at every stage call's start: no code of the caller ran within one
         self.max_on_device = 0  # high-water mark of streamed blocks on the device
 
     # -- queries ------------------------------------------------------------------------
@@ -228,6 +242,7 @@ class BlockStreamer:
             if retry:
                 key = self._call if self._call is not None else (component, 1)
             else:
+                self._epoch += 1
                 key = self._key(component)
                 if self._call is not None and len(self.successor) < _MAX_SUCCESSORS:
                     self.successor[self._call] = key
@@ -509,6 +524,11 @@ class BlockStreamer:
         txn.commit()
         block.event = event
         block.on_device = True
+        block.epoch = self._epoch
+        block.seen = {
+            id(m): write_state(m.payload) for slot in comp.slots for m in slot.members
+            if slot.on_device(self.device)
+        }
         comp.resident = True
         if moved:
             comp._count("load", start)
@@ -545,6 +565,10 @@ class BlockStreamer:
         if unchanged or not members or not self.check_writes:
             return [False] * len(members), None
         stats = self.stats
+        on_host = self._host_changed(block, members)
+        if on_host is not None:
+            stats.host_checks += 1
+            return on_host, None
         if block.ref is None or [id(m) for m in members] != [id(m) for m in block.members]:
             block.ref, block.members = self._host_ref(slots, members), list(members)
         with torch.inference_mode(False), torch.no_grad():
@@ -559,6 +583,28 @@ class BlockStreamer:
             stats.check_d2h_bytes += 8 * len(members)
             values = [int(x) for x in now.tolist()]
         return [v != r for v, r in zip(values, block.ref)], values
+
+    def _host_changed(self, block: StreamedBlock, members: list[Member]) -> list[bool] | None:
+        """Per member, whether it was written in place since the block loaded, judged on
+        the host (``write_state``: version counter, storage identity), or None when the
+        device must judge: the block sat on the device across a stage call's boundary
+        (the carried prefetch, a block kept between calls: the caller's code may have
+        written ``p.data`` in place meanwhile), or a member's ``.data`` was reassigned
+        (layerwise casting puts back equal bytes on every forward: the device fingerprint
+        tells whether they differ), or a member joined after the load."""
+        if block.epoch != self._epoch:
+            return None
+        seen = block.seen
+        changed = []
+        for m in members:
+            before = seen.get(id(m))
+            if before is None:
+                return None
+            version, storage = write_state(m.payload)
+            if storage != before[1]:
+                return None
+            changed.append(version != before[0])
+        return changed
 
     def _release(self, block: StreamedBlock, unchanged: bool = False) -> None:
         """Write back what changed, then drop the block's device copies. A prefetched
@@ -585,8 +631,11 @@ class BlockStreamer:
         txn.commit()  # the device copies are freed here
         if new_ref is not None:
             block.ref = new_ref  # what the host copies hold now
+        elif any(changed):
+            block.ref = None  # written back without device fingerprints: refresh on the host
         block.event = None
         block.on_device = False
+        block.seen = {}
         comp.resident = False
         if slots:
             comp._count("evict", start)

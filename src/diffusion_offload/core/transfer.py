@@ -20,7 +20,7 @@ The rules (SPEC section 4, robustness contract):
   host->device once per storage; evicting an unmodified tensor rebinds it to its host
   view (no device->host copy), which frees the device copy at once.
 * **Writes are found by comparing bytes, on the device.** At load each tensor gets a
-  64-bit fingerprint of its device bytes (``fingerprint``), read back in one copy of 8
+  64-bit fingerprint of its device bytes (``writes.fingerprint``), read back in one copy of 8
   bytes per tensor per component; at eviction a tensor whose dtype/shape changed or whose
   new fingerprint differs is written back. ``.data`` in-place ops (invisible to
   ``_version``), ``.data`` reassignment to equal bytes (layerwise casting: no write-back)
@@ -33,7 +33,6 @@ The rules (SPEC section 4, robustness contract):
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import threading
 import warnings
@@ -44,16 +43,15 @@ from typing import Any
 import torch
 
 from . import hostmem
+from .writes import fingerprints
 from .platform import Platform, same_device
 
 __all__ = [
-        "Member",
+    "Member",
     "Mover",
     "TensorSlot",
     "Transaction",
     "TransferStats",
-    "fingerprint",
-    "fingerprints",
     "payload_of",
 ]
 
@@ -76,6 +74,9 @@ class TransferStats:
         check_d2h_bytes: bytes read back to the host to decide whether weights changed
             (8 per fingerprint in module mode; 1 per block release in layer mode, whose
             fingerprints are compared on the device). Not weight bytes.
+        host_checks: layer mode: block releases decided on the host (version counters and
+            storage identity, no device op, no read-back): blocks loaded and released
+            inside one stage call.
         prefetches: layer mode: block loads issued ahead of use on the copy stream.
         fallback_loads: layer mode: blocks that ran without having been prefetched (the
             model skipped or repeated a block, or the first block of a first call) and
@@ -92,6 +93,7 @@ class TransferStats:
     fingerprint_bytes: int = 0
     fingerprints: int = 0
     check_d2h_bytes: int = 0
+    host_checks: int = 0
     prefetches: int = 0
     fallback_loads: int = 0
     pinned_bytes: int = 0
@@ -140,133 +142,6 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def payload_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose payload moves: a DTensor's local shard, or ``t`` itself."""
     return t._local_tensor if _is_dtensor(t) else t
-
-
-# ----------------------------------------------------------------------------- fingerprints
-
-
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# 64-bit constants (two's complement) of the splitmix64 finaliser
-_K1, _K2, _K3 = -7046029254386353131, 0x632BE59BD9B4E019, -4658895280553007687
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat tensor of same-width integers (a copy only if non-contiguous).
-    Called with autograd off."""
-    x = t
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    if not x.is_contiguous():
-        x = x.contiguous()
-    x = x.reshape(-1)
-    return x.view(_WORD[x.element_size()])
-
-
-def _mix(start: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
-    """``n`` pseudo-random 64-bit multipliers for positions ``start..start+n`` (splitmix64)."""
-    h = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    h.mul_(_K1).add_(salt)
-    h.bitwise_xor_(h >> 31).mul_(_K3)
-    h.bitwise_xor_(h >> 29).mul_(_K1)
-    return h
-
-
-@torch.no_grad()
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """A 64-bit fingerprint of ``t``'s bytes, computed where ``t`` lives.
-
-    The ``n`` words (the bytes read as integers of the element's width) are viewed as
-    rows of ``isqrt(n)`` words, so the temporaries are about ``48 * sqrt(n)`` bytes of
-    device memory (400 KiB for a 70 M-element weight); the fingerprint is
-    ``sum_i r_i*a_i + sum_j c_j*b_j + sum_k t_k*d_k`` modulo 2**64, where ``r`` are the
-    row sums, ``c`` the column sums, ``t`` the tail words, ``a`` and ``d`` odd and ``b``
-    even position-dependent multipliers (one splitmix64 sequence over rows, columns and
-    tail: about 16 device ops a tensor). The sums are reductions with a 64-bit
-    accumulator, so no full-size temporary is made.
-
-    A change of one word always changes the fingerprint (its coefficient, odd + even or
-    odd, is invertible modulo 2**64), as does any change confined to one row or one
-    column. A change of several words goes unseen only if the weighted sum of its row
-    and column differences vanishes modulo 2**64.
-
-    Args:
-        t: any dense tensor (elements of 1, 2, 4 or 8 bytes, or complex).
-
-    Returns:
-        An ``int64`` tensor of shape ``()`` on ``t.device``; no host synchronisation.
-    """
-    w = _words(t)
-    n = w.numel()
-    dev = w.device
-    k = math.isqrt(n)
-    rows = n // k if k else 0
-    tail = n - rows * k
-    # one multiplier sequence: rows (odd), columns (even), tail words (odd)
-    coef = _mix(0, rows + k + tail if rows else tail, _K2, dev)
-    parts = []
-    if rows:
-        grid = w[: rows * k].view(rows, k)
-        coef[:rows].bitwise_or_(1)
-        coef[rows : rows + k].bitwise_left_shift_(1)
-        parts += [grid.sum(dim=1, dtype=torch.int64), grid.sum(dim=0, dtype=torch.int64)]
-    if tail:
-        coef[coef.numel() - tail :].bitwise_or_(1)
-        parts.append(w[rows * k :].to(torch.int64))
-    if not parts:
-        return torch.zeros((), dtype=torch.int64, device=dev)
-    values = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return (values.mul_(coef)).sum()
-
-
-SMALL_WORDS = 128
-"""Tensors of at most this many words (biases, norms, scales) are fingerprinted together,
-in batches of up to ``BATCH_WORDS`` words: a few device ops per batch instead of about
-twenty per tensor, with at most ~3 KiB of temporary device memory."""
-BATCH_WORDS = 128
-
-
-@torch.no_grad()
-def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The fingerprints of ``tensors`` (all on one device), as one ``int64`` tensor ``(N,)``.
-
-    Large tensors go through ``fingerprint``. Small ones (``SMALL_WORDS`` words or fewer)
-    are batched: their words are concatenated (a temporary of 8 bytes per word, at most
-    ``BATCH_WORDS`` words), weighted by odd multipliers of the word's index within its
-    tensor and summed per tensor modulo 2**64, so any change of one word is seen. A
-    tensor's fingerprint depends only on its own bytes and size class, not on the batch.
-    """
-    if not tensors:
-        return torch.zeros(0, dtype=torch.int64)
-    dev = tensors[0].device
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    batch: list[tuple[int, torch.Tensor]] = []
-    size = 0
-
-    def flush() -> None:
-        nonlocal batch, size
-        if not batch:
-            return
-        words = torch.cat([w.to(torch.int64) for _, w in batch])
-        local = torch.cat([torch.arange(w.numel(), device=dev) for _, w in batch])
-        local.mul_(_K1).add_(_K1)
-        local.bitwise_xor_(local >> 31).mul_(_K3)
-        local.bitwise_xor_(local >> 29).mul_(_K1).bitwise_or_(1)
-        parts = torch.split(words.mul_(local), [w.numel() for _, w in batch])
-        for (i, w), part in zip(batch, parts):
-            out[i] = part.sum() + w.numel()  # + length: empty and all-zero tensors differ
-        batch, size = [], 0
-
-    for i, t in enumerate(tensors):
-        w = _words(t)
-        if w.numel() > SMALL_WORDS:
-            out[i] = fingerprint(t)
-            continue
-        if size + w.numel() > BATCH_WORDS:
-            flush()
-        batch.append((i, w))
-        size += w.numel()
-    flush()
-    return torch.stack(out)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- slots

@@ -1,0 +1,154 @@
+"""How a write to a weight is detected: fingerprints of its bytes, and its host-visible
+write state.
+
+``fingerprint`` / ``fingerprints`` hash a tensor's bytes where the tensor lives (64 bits,
+no host synchronisation): module mode compares them at eviction with the ones taken at
+load, layer mode with the host copies' own. ``write_state`` is what the host sees without
+touching the device: the version counter and the storage identity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["fingerprint", "fingerprints", "write_state"]
+
+
+def write_state(t: torch.Tensor) -> tuple[int, int]:
+    """What the host can see of writes to ``t`` (a payload: a tensor, or a DTensor's local
+    shard): ``(version, storage identity)``.
+
+    The version counter (``t._version``) grows with every in-place op on ``t`` (also under
+    ``no_grad``); the storage identity (the address of the payload's ``StorageImpl``,
+    ``untyped_storage()._cdata``) changes when ``t.data`` is reassigned, even to equal
+    bytes. Neither changes for an in-place op on ``t.data`` (``p.data.add_(x)``: a
+    detached alias has its own version counter), the one write the host cannot see.
+    Reads neither device memory nor the device's queue: a pure host check.
+    """
+    return t._version, t.untyped_storage()._cdata
+
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# 64-bit constants (two's complement) of the splitmix64 finaliser
+_K1, _K2, _K3 = -7046029254386353131, 0x632BE59BD9B4E019, -4658895280553007687
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat tensor of same-width integers (a copy only if non-contiguous).
+    Called with autograd off."""
+    x = t
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    x = x.reshape(-1)
+    return x.view(_WORD[x.element_size()])
+
+
+def _mix(start: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
+    """``n`` pseudo-random 64-bit multipliers for positions ``start..start+n`` (splitmix64)."""
+    h = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    h.mul_(_K1).add_(salt)
+    h.bitwise_xor_(h >> 31).mul_(_K3)
+    h.bitwise_xor_(h >> 29).mul_(_K1)
+    return h
+
+
+@torch.no_grad()
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 64-bit fingerprint of ``t``'s bytes, computed where ``t`` lives.
+
+    The ``n`` words (the bytes read as integers of the element's width) are viewed as
+    rows of ``isqrt(n)`` words, so the temporaries are about ``48 * sqrt(n)`` bytes of
+    device memory (400 KiB for a 70 M-element weight); the fingerprint is
+    ``sum_i r_i*a_i + sum_j c_j*b_j + sum_k t_k*d_k`` modulo 2**64, where ``r`` are the
+    row sums, ``c`` the column sums, ``t`` the tail words, ``a`` and ``d`` odd and ``b``
+    even position-dependent multipliers (one splitmix64 sequence over rows, columns and
+    tail: about 16 device ops a tensor). The sums are reductions with a 64-bit
+    accumulator, so no full-size temporary is made.
+
+    A change of one word always changes the fingerprint (its coefficient, odd + even or
+    odd, is invertible modulo 2**64), as does any change confined to one row or one
+    column. A change of several words goes unseen only if the weighted sum of its row
+    and column differences vanishes modulo 2**64.
+
+    Args:
+        t: any dense tensor (elements of 1, 2, 4 or 8 bytes, or complex).
+
+    Returns:
+        An ``int64`` tensor of shape ``()`` on ``t.device``; no host synchronisation.
+    """
+    w = _words(t)
+    n = w.numel()
+    dev = w.device
+    k = math.isqrt(n)
+    rows = n // k if k else 0
+    tail = n - rows * k
+    # one multiplier sequence: rows (odd), columns (even), tail words (odd)
+    coef = _mix(0, rows + k + tail if rows else tail, _K2, dev)
+    parts = []
+    if rows:
+        grid = w[: rows * k].view(rows, k)
+        coef[:rows].bitwise_or_(1)
+        coef[rows : rows + k].bitwise_left_shift_(1)
+        parts += [grid.sum(dim=1, dtype=torch.int64), grid.sum(dim=0, dtype=torch.int64)]
+    if tail:
+        coef[coef.numel() - tail :].bitwise_or_(1)
+        parts.append(w[rows * k :].to(torch.int64))
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=dev)
+    values = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return (values.mul_(coef)).sum()
+
+
+SMALL_WORDS = 128
+"""Tensors of at most this many words (biases, norms, scales) are fingerprinted together,
+in batches of up to ``BATCH_WORDS`` words: a few device ops per batch instead of about
+twenty per tensor, with at most ~3 KiB of temporary device memory."""
+BATCH_WORDS = 128
+
+
+@torch.no_grad()
+def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The fingerprints of ``tensors`` (all on one device), as one ``int64`` tensor ``(N,)``.
+
+    Large tensors go through ``fingerprint``. Small ones (``SMALL_WORDS`` words or fewer)
+    are batched: their words are concatenated (a temporary of 8 bytes per word, at most
+    ``BATCH_WORDS`` words), weighted by odd multipliers of the word's index within its
+    tensor and summed per tensor modulo 2**64, so any change of one word is seen. A
+    tensor's fingerprint depends only on its own bytes and size class, not on the batch.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    dev = tensors[0].device
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batch: list[tuple[int, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal batch, size
+        if not batch:
+            return
+        words = torch.cat([w.to(torch.int64) for _, w in batch])
+        local = torch.cat([torch.arange(w.numel(), device=dev) for _, w in batch])
+        local.mul_(_K1).add_(_K1)
+        local.bitwise_xor_(local >> 31).mul_(_K3)
+        local.bitwise_xor_(local >> 29).mul_(_K1).bitwise_or_(1)
+        parts = torch.split(words.mul_(local), [w.numel() for _, w in batch])
+        for (i, w), part in zip(batch, parts):
+            out[i] = part.sum() + w.numel()  # + length: empty and all-zero tensors differ
+        batch, size = [], 0
+
+    for i, t in enumerate(tensors):
+        w = _words(t)
+        if w.numel() > SMALL_WORDS:
+            out[i] = fingerprint(t)
+            continue
+        if size + w.numel() > BATCH_WORDS:
+            flush()
+        batch.append((i, w))
+        size += w.numel()
+    flush()
+    return torch.stack(out)  # type: ignore[arg-type]
