@@ -25,12 +25,13 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   stage call that loaded it is checked on the host against that state: no device op, no
   host wait; a tensor written in place is written back. When the host cannot judge (the
   block sat on the device across a call's boundary, as the carried prefetch does, or a
-  ``.data`` was reassigned), the release fingerprints the block's tensors on the device,
-  folds them into one 64-bit word and reads back those 8 bytes, to compare with the same
-  fold of the host copies' fingerprints (computed on the host, once per block, and
-  refreshed after a write-back; the fingerprint is exact integer arithmetic, equal on any
-  device). Only when they differ are the per-tensor fingerprints read back, and the
-  tensors that changed written back, as module mode does (section 4). Dropping a
+  ``.data`` was reassigned), the release computes one fingerprint of the whole block on
+  the device (``writes.block_fingerprint``: two reductions per large tensor, a few ops for
+  the block) and reads back those 8 bytes, to compare with the same fingerprint of the
+  host copies (computed on the host, once per block, and refreshed after a write-back;
+  it is exact integer arithmetic, equal on any device). Only when they differ are the
+  per-tensor fingerprints of both copies compared, and the tensors that changed written
+  back, as module mode does (section 4). Dropping a
   prefetch that guessed wrong is a release like any other. The one write neither sees in
   time: ``p.data.add_(x)`` on a streamed block inside its own forward.
 
@@ -59,7 +60,7 @@ import torch
 from .platform import Platform
 from .residency import ComponentWeights
 from .transfer import Member, Mover, Transaction, record_on
-from .writes import fingerprints, write_state
+from .writes import block_fingerprint, fingerprints, write_state
 
 __all__ = ["BlockStreamer", "CallKey", "StreamedBlock"]
 
@@ -79,7 +80,7 @@ class StreamedBlock:
         self.name = name
         self.weights = weights
         self.event: Any = None  # recorded on the copy stream after the load
-        self.ref: list[int] | None = None  # fingerprints of the host copies, per member
+        self.ref: int | None = None  # the block fingerprint of the host copies (writes.block_fingerprint)
         self.members: list[Member] = []  # the members ``ref`` covers, in order
         self.on_device = False
         self.epoch = -1  # the streamer's epoch when the block was loaded
@@ -538,51 +539,50 @@ class BlockStreamer:
             stream.synchronize()  # no copy may still write what the rollback frees
         txn.rollback()
 
-    @staticmethod
-    def _host_ref(slots: list[Any], members: list[Member]) -> list[int]:
-        """Fingerprints of the members' host copies, computed on the host."""
-        views = []
-        for slot in slots:
-            for m in slot.members:
-                views.append(slot.view(slot.host, m))
+    def _host_ref(self, block: StreamedBlock, slots: list[Any], members: list[Member]) -> None:
+        """The block fingerprint of the members' host copies, computed on the host."""
+        views = [slot.view(slot.host, m) for slot in slots for m in slot.members]
         with torch.inference_mode(False), torch.no_grad():
-            return [int(x) for x in fingerprints(views).tolist()] if views else []
-
-    @staticmethod
-    def _fold(values: list[int]) -> int:
-        """``sum((2i + 1) * v_i)`` modulo 2**64, as a signed 64-bit int (the device's fold)."""
-        total = 0
-        for i, v in enumerate(values):
-            total = (total + (2 * i + 1) * v) & 0xFFFFFFFFFFFFFFFF
-        return total - (1 << 64) if total >= 1 << 63 else total
+            block.ref = int(block_fingerprint(views))
+        block.members = list(members)
 
     def _changed(
         self, block: StreamedBlock, slots: list[Any], members: list[Member], unchanged: bool
-    ) -> tuple[list[bool], list[int] | None]:
-        """Per member, whether its device bytes differ from its host copy (fingerprints:
-        8 bytes read back, plus 8 per member when something differs), and the host
-        references to keep once the changed members are written back (None: unchanged)."""
+    ) -> list[bool]:
+        """Per member, whether its device bytes differ from its host copy: on the host
+        when it can tell (``_host_changed``), else one block fingerprint computed on the
+        device (8 bytes read back), plus the per-member fingerprints of both copies when
+        it differs."""
         if unchanged or not members or not self.check_writes:
-            return [False] * len(members), None
+            return [False] * len(members)
         stats = self.stats
         on_host = self._host_changed(block, members)
         if on_host is not None:
             stats.host_checks += 1
-            return on_host, None
+            return on_host
         if block.ref is None or [id(m) for m in members] != [id(m) for m in block.members]:
-            block.ref, block.members = self._host_ref(slots, members), list(members)
+            self._host_ref(block, slots, members)
+        payloads = [m.payload for m in members]
+        relaid = any(p.dtype != m.dtype or tuple(p.shape) != m.shape for p, m in zip(payloads, members))
         with torch.inference_mode(False), torch.no_grad():
-            now = fingerprints([m.payload for m in members])
-            weights = torch.arange(len(members), device=now.device, dtype=torch.int64).mul_(2).add_(1)
-            stats.fingerprints += len(members)
-            stats.fingerprint_bytes += sum(m.nbytes for m in members)
-            stats.check_d2h_bytes += 8
-            folded = int((now * weights).sum().item())
-            if folded == self._fold(block.ref):
-                return [False] * len(members), None
-            stats.check_d2h_bytes += 8 * len(members)
-            values = [int(x) for x in now.tolist()]
-        return [v != r for v, r in zip(values, block.ref)], values
+            try:
+                if not relaid:  # (a new dtype or shape is a change: the per-member check says which)
+                    now = block_fingerprint(payloads)
+                    stats.fingerprints += 1
+                    stats.fingerprint_bytes += sum(m.nbytes for m in members)
+                    stats.check_d2h_bytes += 8
+                    if int(now.item()) == block.ref:
+                        return [False] * len(members)
+                    del now
+                stats.check_d2h_bytes += 8 * len(members)
+                device = fingerprints(payloads).tolist()
+            except torch.OutOfMemoryError:
+                # no device room for the fingerprints' temporaries (an OOM retry releasing
+                # on a full device): write every member back, which needs none
+                return [True] * len(members)
+            host = fingerprints([slot.view(slot.host, m) for slot in slots for m in slot.members]).tolist()
+        changed = [d != h for d, h in zip(device, host)]
+        return changed if any(changed) else [True] * len(members)  # the block differs: be safe
 
     def _host_changed(self, block: StreamedBlock, members: list[Member]) -> list[bool] | None:
         """Per member, whether it was written in place since the block loaded, judged on
@@ -623,16 +623,14 @@ class BlockStreamer:
         txn = Transaction()
         try:
             members = [m for s in slots for m in s.members]
-            changed, new_ref = self._changed(block, slots, members, unchanged)
+            changed = self._changed(block, slots, members, unchanged)
             mover.evict(slots, txn, changed)
         except BaseException:
             txn.rollback()
             raise
         txn.commit()  # the device copies are freed here
-        if new_ref is not None:
-            block.ref = new_ref  # what the host copies hold now
-        elif any(changed):
-            block.ref = None  # written back without device fingerprints: refresh on the host
+        if any(changed):
+            block.ref = None  # the host copies were written: their fingerprint is refreshed when needed
         block.event = None
         block.on_device = False
         block.seen = {}

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["fingerprint", "fingerprints", "write_state"]
+__all__ = ["block_fingerprint", "fingerprint", "fingerprints", "write_state"]
 
 
 def write_state(t: torch.Tensor) -> tuple[int, int]:
@@ -152,3 +152,68 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
         size += w.numel()
     flush()
     return torch.stack(out)  # type: ignore[arg-type]
+
+
+def _block_parts(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """The integer vectors a block fingerprint weighs, odd-weighted ones first, and how
+    many words those are.
+
+    Per tensor of more than ``SMALL_WORDS`` words: its row sums and column sums over the
+    ``isqrt(n)``-wide view (two reductions, no full-size temporary) and its tail words;
+    the small tensors' words, concatenated per word width (biases and norms: two ops per
+    width, not per tensor). Rows, tails and small words get odd multipliers, columns even
+    ones, as in ``fingerprint``; the column sums come last, so the parities are two ranges.
+    """
+    odd: list[torch.Tensor] = []
+    even: list[torch.Tensor] = []
+    small: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        w = _words(t)
+        n = w.numel()
+        if n > SMALL_WORDS:
+            k = math.isqrt(n)
+            rows = n // k
+            grid = w[: rows * k].view(rows, k)
+            odd.append(grid.sum(dim=1, dtype=torch.int64))
+            even.append(grid.sum(dim=0, dtype=torch.int64))
+            if n > rows * k:
+                odd.append(w[rows * k :].to(torch.int64))
+        elif n:
+            small.setdefault(w.dtype, []).append(w)
+    for words in small.values():
+        odd.append((torch.cat(words) if len(words) > 1 else words[0]).to(torch.int64))
+    return odd + even, sum(v.numel() for v in odd)
+
+
+@torch.no_grad()
+def block_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One 64-bit fingerprint of all of ``tensors``' bytes (all on one device, or all on
+    the host), computed where they live.
+
+    ``sum`` over the block's row sums, tail and small-tensor words (odd multipliers) and
+    column sums (even ones) of each times its own splitmix64 multiplier, modulo 2**64:
+    the guarantees of ``fingerprint`` for the block as a whole (a change of one word
+    always changes it, as does any change confined to one row or one column of a
+    tensor's view; several words go unseen only if their weighted differences vanish
+    modulo 2**64), at two device ops per large tensor, two per word width of the small
+    ones and about fourteen for the block, instead of about sixteen a tensor. Nothing is
+    copied between host and device. Temporaries: about 24 bytes per weighed word
+    (``2 * sqrt(n)`` per large tensor, ``n`` per small one): about 2 MiB for a block of 13
+    weights of 5120 x 5120.
+
+    Returns:
+        An ``int64`` tensor of shape ``()`` where the tensors live; no host synchronisation.
+
+    Raises:
+        torch.OutOfMemoryError: no device room for the temporaries.
+    """
+    parts, n_odd = _block_parts(tensors)
+    if not parts:
+        return torch.zeros((), dtype=torch.int64)
+    device = parts[0].device
+    values = torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # (not a weight's own words)
+    del parts
+    coef = _mix(0, values.numel(), _K3, device)
+    coef[:n_odd].bitwise_or_(1)
+    coef[n_odd:].bitwise_left_shift_(1)
+    return values.mul_(coef).sum()
