@@ -409,6 +409,38 @@ def test_oom_during_a_request_names_stage_and_component(models, fake_device):
 # --------------------------------------------------------------------------- timings, trace, close
 
 
+def test_layer_mode_trace_has_block_spans_on_the_component_lanes(models, fake_device):
+    """Layer mode: each streamed component's lane holds its blocks' load, prefetch,
+    release and host-wait spans, one per event the streamer counted."""
+    path = models("wan2.2")
+    params = _params("wan2.2")
+    layer = {"mode": "layer", "components": ["dit", "text_encoder"]}
+    with Omni(path, layer, device="fakegpu", progress=False, trace=True) as engine:
+        engine.generate("a cat", params)
+        before = engine.backend.stats.snapshot()
+        count = len([e for e in engine.trace_dict()["traceEvents"] if e["ph"] == "X"])
+        (out,) = engine.generate("a cat", params)
+        done = engine.backend.stats.since(before)
+        blocks = {name: list(names) for name, names in engine.backend.blocks.items()}
+        trace = engine.trace_dict()
+        events = [e for e in trace["traceEvents"] if e["ph"] == "X"][count:]
+    lanes = {m["args"]["name"]: m["tid"] for m in trace["traceEvents"] if m["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X" and e["tid"] != 0]
+    by_name: dict[str, list[dict]] = {}
+    for e in spans:
+        by_name.setdefault(e["name"], []).append(e)
+    assert len(by_name["prefetch"]) == done.prefetches > 0
+    assert len(by_name.get("load", [])) == done.fallback_loads
+    assert len(by_name["release"]) == done.evictions
+    assert len(by_name["host wait"]) == done.fingerprints > 0  # the carried blocks' device checks
+    streamed = {"transformer", "transformer_2", "text_encoder"}
+    for e in spans:
+        assert e["cat"] in streamed and e["tid"] == lanes[e["cat"]]
+        assert e["args"]["block"] in blocks[e["cat"]] and e["args"]["bytes"] > 0
+    assert {e["cat"] for e in by_name["release"]} == streamed
+    assert out.offload_stats["h2d_bytes"] == done.h2d_bytes
+
+
 def test_timings_and_trace(models, fake_device):
     path = models("flux")
     params = _params("flux")

@@ -177,6 +177,10 @@ class BlockStreamer:
         self._last_block: StreamedBlock | None = None  # the block loaded or begun last (OOM messages)
         self._epoch = 0  # + 1 at every stage call's start: no code of the caller ran within one
         self.max_on_device = 0  # high-water mark of streamed blocks on the device
+        #: called as ``listener(event, block, start, end)`` (perf_counter seconds, host
+        #: time) for every block ``"load"`` (synchronous), ``"prefetch"`` (queued on the
+        #: copy stream), ``"release"`` and ``"host wait"`` (a device check's read-back)
+        self.listeners: list[Callable[[str, StreamedBlock, float, float], None]] = []
 
     # -- queries ------------------------------------------------------------------------
 
@@ -477,6 +481,12 @@ class BlockStreamer:
         """``record_stream(stream)`` on every device payload of the block."""
         record_on(stream, (m for slot in block.weights.slots for m in slot.members), self.device)
 
+    def _emit(self, event: str, block: StreamedBlock, start: float) -> None:
+        if self.listeners:
+            end = time.perf_counter()
+            for listener in self.listeners:
+                listener(event, block, start, end)
+
     def _prefetch(self, block: StreamedBlock) -> None:
         self._load(block, self.copy_stream)
         self.prefetched = block
@@ -533,6 +543,7 @@ class BlockStreamer:
         comp.resident = True
         if moved:
             comp._count("load", start)
+            self._emit("prefetch" if stream is not None else "load", block, start)
 
     def _abort(self, txn: Transaction, stream: Any) -> None:
         if stream is not None:
@@ -571,7 +582,10 @@ class BlockStreamer:
                     stats.fingerprints += 1
                     stats.fingerprint_bytes += sum(m.nbytes for m in members)
                     stats.check_d2h_bytes += 8
-                    if int(now.item()) == block.ref:
+                    waited = time.perf_counter()
+                    same = int(now.item()) == block.ref
+                    self._emit("host wait", block, waited)
+                    if same:
                         return [False] * len(members)
                     del now
                 stats.check_d2h_bytes += 8 * len(members)
@@ -637,3 +651,4 @@ class BlockStreamer:
         comp.resident = False
         if slots:
             comp._count("evict", start)
+            self._emit("release", block, start)

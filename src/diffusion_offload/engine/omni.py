@@ -308,8 +308,11 @@ class Omni:
             self.tracer = TraceRecorder()
             if self.backend is not None:
                 for weights in self.backend.components.values():
-                    if weights.selected and weights.role != "block":  # blocks: too many events
+                    if weights.selected and weights.role != "block":  # blocks: the streamer's events
                         self.tracer.watch(weights, weights.resident)
+                streamer = getattr(self.backend, "streamer", None)
+                if streamer is not None:  # layer mode: block spans on the component lanes
+                    streamer.listeners.append(self.tracer.on_block)
         self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
         self.load_seconds = time.perf_counter() - start
 

@@ -2,8 +2,11 @@
 
 Format: ``{"traceEvents": [...]}`` (object format) with complete events (``"ph": "X"``,
 ``ts`` and ``dur`` in microseconds). Each component has its own ``tid`` lane with spans
-named ``load``, ``resident`` and ``evict``; lane 0 holds the stage spans
-(``text_encoding``, ``denoising``, ``decoding``). Thread-name metadata events label
+named ``load``, ``resident`` and ``evict``; in layer mode a streamed component's lane
+holds its blocks' ``load`` (synchronous), ``prefetch`` (queued on the copy stream: host
+time only), ``release`` and ``host wait`` (a device write check's read-back) spans, each
+naming its block. Lane 0 holds the stage spans (``text_encoding``, ``denoising``,
+``decoding``). Thread-name metadata events label
 the lanes. Reference: the Trace Event Format document of the Chromium project.
 """
 
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only for annotations
     from ..core.residency import ComponentWeights
+    from ..core.streamer import StreamedBlock
 
 __all__ = ["TraceRecorder"]
 
@@ -65,6 +69,11 @@ class TraceRecorder:
             if since is not None:
                 self.span("resident", name, since, start)
             self.span("evict", name, start, end)
+
+    def on_block(self, event: str, block: StreamedBlock, start: float, end: float) -> None:
+        """Listener for ``BlockStreamer`` events: a span ``event`` on the block's component
+        lane, naming the block and its bytes."""
+        self.span(event, block.component, start, end, block=block.name, bytes=block.nbytes)
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as a dict; open resident spans are closed at the current time."""
