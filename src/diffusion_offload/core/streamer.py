@@ -31,9 +31,9 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   host copies (computed on the host, once per block, and refreshed after a write-back;
   it is exact integer arithmetic, equal on any device). Only when they differ are the
   per-tensor fingerprints of both copies compared, and the tensors that changed written
-  back, as module mode does (section 4). Dropping a
-  prefetch that guessed wrong is a release like any other. The one write neither sees in
-  time: ``p.data.add_(x)`` on a streamed block inside its own forward.
+  back, as module mode does (section 4). Dropping a prefetch that guessed wrong is a
+  release like any other. The one write neither sees in time: ``p.data.add_(x)`` on a
+  streamed block inside its own forward.
 
 Other platforms copy synchronously on the current stream.
 
@@ -65,6 +65,7 @@ from .writes import block_fingerprint, fingerprints, write_state
 __all__ = ["BlockStreamer", "CallKey", "StreamedBlock"]
 
 logger = logging.getLogger(__name__)
+
 
 class StreamedBlock:
     """One streamed block: its weights, its place in its component, its device state."""
@@ -535,11 +536,12 @@ class BlockStreamer:
         txn.commit()
         block.event = event
         block.on_device = True
-        block.epoch = self._epoch
-        block.seen = {
-            id(m): write_state(m.payload) for slot in comp.slots for m in slot.members
-            if slot.on_device(self.device)
-        }
+        if self.check_writes:
+            block.epoch = self._epoch
+            block.seen = {
+                id(m): write_state(m.payload) for slot in comp.slots for m in slot.members
+                if slot.on_device(self.device)
+            }
         comp.resident = True
         if moved:
             comp._count("load", start)
@@ -550,11 +552,15 @@ class BlockStreamer:
             stream.synchronize()  # no copy may still write what the rollback frees
         txn.rollback()
 
+    @staticmethod
+    def _host_views(slots: list[Any]) -> list[torch.Tensor]:
+        """The host copies of the slots' members, in member order."""
+        return [slot.view(slot.host, m) for slot in slots for m in slot.members]
+
     def _host_ref(self, block: StreamedBlock, slots: list[Any], members: list[Member]) -> None:
         """The block fingerprint of the members' host copies, computed on the host."""
-        views = [slot.view(slot.host, m) for slot in slots for m in slot.members]
         with torch.inference_mode(False), torch.no_grad():
-            block.ref = int(block_fingerprint(views))
+            block.ref = int(block_fingerprint(self._host_views(slots)))
         block.members = list(members)
 
     def _changed(
@@ -594,7 +600,7 @@ class BlockStreamer:
                 # no device room for the fingerprints' temporaries (an OOM retry releasing
                 # on a full device): write every member back, which needs none
                 return [True] * len(members)
-            host = fingerprints([slot.view(slot.host, m) for slot in slots for m in slot.members]).tolist()
+            host = fingerprints(self._host_views(slots)).tolist()
         changed = [d != h for d, h in zip(device, host)]
         return changed if any(changed) else [True] * len(members)  # the block differs: be safe
 

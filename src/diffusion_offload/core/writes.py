@@ -47,27 +47,26 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return x.view(_WORD[x.element_size()])
 
 
-def _mix(start: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
-    """``n`` pseudo-random 64-bit multipliers for positions ``start..start+n`` (splitmix64)."""
-    h = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    h.mul_(_K1).add_(salt)
+def _mix(index: torch.Tensor, salt: int) -> torch.Tensor:
+    """Pseudo-random 64-bit multipliers of the positions in ``index`` (an ``int64``
+    tensor, overwritten and returned): the splitmix64 finaliser of ``index * K1 + salt``."""
+    h = index.mul_(_K1).add_(salt)
     h.bitwise_xor_(h >> 31).mul_(_K3)
     h.bitwise_xor_(h >> 29).mul_(_K1)
     return h
 
 
-@torch.no_grad()
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """A 64-bit fingerprint of ``t``'s bytes, computed where ``t`` lives.
+    """A 64-bit fingerprint of ``t``'s bytes, computed where ``t`` lives: the block
+    fingerprint of ``t`` alone (``block_fingerprint([t])``).
 
     The ``n`` words (the bytes read as integers of the element's width) are viewed as
     rows of ``isqrt(n)`` words, so the temporaries are about ``48 * sqrt(n)`` bytes of
     device memory (400 KiB for a 70 M-element weight); the fingerprint is
     ``sum_i r_i*a_i + sum_j c_j*b_j + sum_k t_k*d_k`` modulo 2**64, where ``r`` are the
     row sums, ``c`` the column sums, ``t`` the tail words, ``a`` and ``d`` odd and ``b``
-    even position-dependent multipliers (one splitmix64 sequence over rows, columns and
-    tail: about 16 device ops a tensor). The sums are reductions with a 64-bit
-    accumulator, so no full-size temporary is made.
+    even position-dependent multipliers (splitmix64: about 16 device ops a tensor). The
+    sums are reductions with a 64-bit accumulator, so no full-size temporary is made.
 
     A change of one word always changes the fingerprint (its coefficient, odd + even or
     odd, is invertible modulo 2**64), as does any change confined to one row or one
@@ -80,27 +79,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     Returns:
         An ``int64`` tensor of shape ``()`` on ``t.device``; no host synchronisation.
     """
-    w = _words(t)
-    n = w.numel()
-    dev = w.device
-    k = math.isqrt(n)
-    rows = n // k if k else 0
-    tail = n - rows * k
-    # one multiplier sequence: rows (odd), columns (even), tail words (odd)
-    coef = _mix(0, rows + k + tail if rows else tail, _K2, dev)
-    parts = []
-    if rows:
-        grid = w[: rows * k].view(rows, k)
-        coef[:rows].bitwise_or_(1)
-        coef[rows : rows + k].bitwise_left_shift_(1)
-        parts += [grid.sum(dim=1, dtype=torch.int64), grid.sum(dim=0, dtype=torch.int64)]
-    if tail:
-        coef[coef.numel() - tail :].bitwise_or_(1)
-        parts.append(w[rows * k :].to(torch.int64))
-    if not parts:
-        return torch.zeros((), dtype=torch.int64, device=dev)
-    values = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return (values.mul_(coef)).sum()
+    return block_fingerprint([t])
 
 
 SMALL_WORDS = 128
@@ -133,9 +112,7 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
             return
         words = torch.cat([w.to(torch.int64) for _, w in batch])
         local = torch.cat([torch.arange(w.numel(), device=dev) for _, w in batch])
-        local.mul_(_K1).add_(_K1)
-        local.bitwise_xor_(local >> 31).mul_(_K3)
-        local.bitwise_xor_(local >> 29).mul_(_K1).bitwise_or_(1)
+        _mix(local, _K1).bitwise_or_(1)
         parts = torch.split(words.mul_(local), [w.numel() for _, w in batch])
         for (i, w), part in zip(batch, parts):
             out[i] = part.sum() + w.numel()  # + length: empty and all-zero tensors differ
@@ -208,12 +185,12 @@ def block_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
         torch.OutOfMemoryError: no device room for the temporaries.
     """
     parts, n_odd = _block_parts(tensors)
-    if not parts:
-        return torch.zeros((), dtype=torch.int64)
+    if not parts:  # no bytes at all
+        return torch.zeros((), dtype=torch.int64, device=tensors[0].device if tensors else None)
     device = parts[0].device
     values = torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # (not a weight's own words)
     del parts
-    coef = _mix(0, values.numel(), _K3, device)
+    coef = _mix(torch.arange(values.numel(), dtype=torch.int64, device=device), _K2)
     coef[:n_odd].bitwise_or_(1)
     coef[n_odd:].bitwise_left_shift_(1)
     return values.mul_(coef).sum()

@@ -310,7 +310,8 @@ class Omni:
                 for weights in self.backend.components.values():
                     if weights.selected and weights.role != "block":  # blocks: the streamer's events
                         self.tracer.watch(weights, weights.resident)
-                streamer = getattr(self.backend, "streamer", None)
+                layer = isinstance(self.backend, LayerwiseOffloadBackend)
+                streamer = self.backend.streamer if layer else None
                 if streamer is not None:  # layer mode: block spans on the component lanes
                     streamer.listeners.append(self.tracer.on_block)
         self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
