@@ -47,7 +47,7 @@ an identical one, so its first forward is a transition from the last one).
 The breakdown (below the table) attributes each device op, host wait and copy of ours to
 the innermost engine function running when it was issued (``SequentialOffloadHook``,
 ``ComponentWeights``, ``Mover``, ``BlockStreamer``, ``MemoryPolicy`` methods and
-``core.transfer.fingerprints`` wherever it was imported, wrapped for the run; "pipeline" is everything outside them), with the
+``core.writes.fingerprints`` and ``core.arena.sums`` wherever they were imported, wrapped for the run; "pipeline" is everything outside them), with the
 number of calls and the cost per call including its callees, so that the cost per
 component load (``ComponentWeights.load``), eviction (``ComponentWeights.evict``) or block
 release (``BlockStreamer._release``) reads off directly. ``Stream``/``Event``
@@ -85,7 +85,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import layer_offload  # noqa: E402  (bench/layer_offload.py: its group-offload setup)
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend  # noqa: E402
-from diffusion_offload.core import hooks, policy, residency, streamer, transfer  # noqa: E402
+from diffusion_offload.core import arena, hooks, policy, residency, streamer, transfer, writes  # noqa: E402
 from diffusion_offload.testing import fake_accelerator as fa  # noqa: E402
 from diffusion_offload.testing import tiny_pipelines  # noqa: E402
 
@@ -119,14 +119,17 @@ _WRAPPED: list[tuple[Any, str]] = [
     (transfer.Mover, "load"),
     (transfer.Mover, "evict"),
     (transfer.Mover, "place"),
-    (transfer.Mover, "_fingerprints"),
+    (transfer.Mover, "load_arena"),
+    (residency.ComponentWeights, "record_checks"),
+    (residency.ComponentWeights, "changed"),
     (streamer.BlockStreamer, "before"),
     (streamer.BlockStreamer, "after"),
     (streamer.BlockStreamer, "_wait"),
     (streamer.BlockStreamer, "_load"),
     (streamer.BlockStreamer, "_release"),
     (streamer.BlockStreamer, "_changed"),
-    (streamer.BlockStreamer, "_host_ref"),
+    (streamer.BlockStreamer, "_seal"),
+    (streamer.BlockStreamer, "_verify_carried"),
     (streamer.BlockStreamer, "_drop_prefetch"),
     (streamer.BlockStreamer, "_sweep"),
     (streamer.BlockStreamer, "_enter"),
@@ -195,14 +198,15 @@ def install_attribution() -> None:
                 return _real(self)
 
             setattr(cls, attr, counted)
-    real = getattr(transfer, "fingerprints", None)
-    if real is None:
-        not_wrapped.append("fingerprints")
-        return
-    wrapped = _attributed("fingerprints", real)
-    for name, mod in list(sys.modules.items()):  # every module that imported it
-        if name.startswith("diffusion_offload.") and getattr(mod, "fingerprints", None) is real:
-            mod.fingerprints = wrapped
+    for source, attr in ((writes, "fingerprints"), (arena, "sums")):
+        real = getattr(source, attr, None)
+        if real is None:
+            not_wrapped.append(attr)
+            continue
+        wrapped = _attributed(attr, real)
+        for name, mod in list(sys.modules.items()):  # every module that imported it
+            if name.startswith("diffusion_offload.") and getattr(mod, attr, None) is real:
+                setattr(mod, attr, wrapped)
 
 
 # --------------------------------------------------------------------- strategies

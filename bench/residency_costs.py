@@ -92,7 +92,7 @@ def fingerprint_costs() -> dict:
     import torch
 
     from diffusion_offload import ModelLevelOffloadBackend
-    from diffusion_offload.core import transfer
+    from diffusion_offload.core import residency
     from diffusion_offload.testing import fake_accelerator as fa
     from diffusion_offload.testing.tiny_pipelines import build
 
@@ -117,13 +117,15 @@ def fingerprint_costs() -> dict:
     with_fp = cycle(20)
     stats = backend.stats.since(before)
     dev_stats = fa.stats()
-    real = transfer.Mover._fingerprints
-    transfer.Mover._fingerprints = lambda self, members: [0] * len(members)
+    # the same cycle with no write check: nothing recorded at load, nothing changed at eviction
+    real = (residency.ComponentWeights.record_checks, residency.ComponentWeights.changed)
+    residency.ComponentWeights.record_checks = lambda self: None
+    residency.ComponentWeights.changed = lambda self, slots: [False] * sum(len(s.members) for s in slots)
     try:
         cycle(3)
         without_fp = cycle(20)
     finally:
-        transfer.Mover._fingerprints = real
+        residency.ComponentWeights.record_checks, residency.ComponentWeights.changed = real
     return {
         "component": "tiny wan2.2 transformer",
         "tensors": tensors,

@@ -40,7 +40,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 #: the core's modules, bottom to top: each imports only modules before it (core/__init__.py)
 CORE_ORDER: tuple[str, ...] = (
-    "config", "platform", "hostmem", "writes", "transfer", "residency", "policy", "discovery",
+    "config", "platform", "hostmem", "writes", "arena", "transfer", "checks", "residency",
+    "policy", "discovery",
     "blocks", "hooks", "streamer", "backends",
 )
 

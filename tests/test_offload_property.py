@@ -463,7 +463,20 @@ class Model:
             elif isinstance(self.budget, int):
                 live = fa.live_storages()
                 resident = {fa.storage_key(t) for _, t in _tensors(pipe) if t.device == dev}
-                used = sum(live.get(k, 0) for k in resident)
+                # an arena loaded whole is one allocation: its tensors, their 16-byte
+                # alignment padding and the old bytes of a weight replaced while resident
+                # (README: freed when the component leaves); what counts against the budget
+                # are the weights in it
+                arena_keys = {
+                    slot.arena.device_key
+                    for comp in self.backend.components.values() for slot in comp.slots
+                    if slot.arena is not None and slot.arena.device_key is not None
+                }
+                used = sum(live.get(k, 0) for k in resident if k not in arena_keys) + sum(
+                    t.numel() * t.element_size()
+                    for t in {id(t): t for _, t in _tensors(pipe) if t.device == dev}.values()
+                    if fa.storage_key(t) in arena_keys
+                )
                 if used > self._budget_in_force():
                     out.append(
                         f"{used} bytes of weights resident, over the budget in force of "

@@ -207,12 +207,13 @@ def test_aliased_parameters_keep_one_host_copy_and_stay_aliased(fake_device):
             return x @ self.a.T + x @ self.b.T + x @ self.c.T
 
     pipe = _declared(Dit(), nn.Linear(4, 4))
-    storage = pipe.transformer.a.untyped_storage().data_ptr()
     with ModelLevelOffloadBackend(FULL, fake_device) as backend:
         backend.enable(pipe)
         [slot] = backend.components["transformer"].slots
         assert slot.nbytes == 24 * 4 and backend.stats.pinned_bytes >= 96  # one host copy
-        assert pipe.transformer.a.untyped_storage().data_ptr() == storage  # pinned in place
+        storage = pipe.transformer.a.untyped_storage().data_ptr()  # the DiT's arena
+        assert slot.arena is not None and storage == slot.arena.host.data_ptr()
+        assert {getattr(pipe.transformer, n).untyped_storage().data_ptr() for n in "abc"} == {storage}
         x = torch.ones(1, 4, device=fake_device)
         with torch.no_grad():
             pipe.transformer(x)

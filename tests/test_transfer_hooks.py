@@ -411,9 +411,12 @@ def test_dtensor_moves_shard_locally_and_is_not_pinned(fake_device):
         assert slot.nbytes == 64
         assert not p._local_tensor.is_pinned() and not slot.pinned
         assert mover.load(slot, Transaction()) == 64
-        mover.record(slot.members)
         assert isinstance(p, DTensor) and p._local_tensor.device == fake_device
-        assert mover.evict([slot], Transaction()) == 0  # unmodified: no write-back
+        from diffusion_offload.core.checks import compare_with_host
+
+        changed = compare_with_host(mover.stats, [(slot, m) for m in slot.members])
+        assert changed == [False]
+        assert mover.evict([slot], Transaction(), changed) == 0  # unmodified: no write-back
         assert p._local_tensor.device.type == "cpu" and torch.equal(p._local_tensor, local)
     finally:
         dist.destroy_process_group()

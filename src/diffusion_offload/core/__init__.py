@@ -7,7 +7,9 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``platform``: one ``Platform`` per device kind (streams, events, pinning, memory queries).
 - ``hostmem``: host memory: pinning in place, what the host has.
 - ``writes``: write detection: fingerprints of a tensor's bytes, its host-visible write state.
+- ``arena``: host arenas: many host copies in one buffer, one H2D copy per arena.
 - ``transfer``: moving weights (``Mover``, ``Transaction``), ``TransferStats``.
+- ``checks``: device write checks (``LoadCheck``): what a load put on the device, what changed.
 - ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).
 - ``policy``: the device-memory budget (``MemoryPolicy``): what stays resident.
 - ``discovery``: a pipeline's components and their roles (DiT, text encoder, VAE...).

@@ -207,7 +207,8 @@ class SequentialOffloadHook:
         if isinstance(value, torch.Tensor):
             if same_device(value.device, self.device):
                 return value
-            moved[0] = True
+            if self._non_blocking and value.is_pinned():
+                moved[0] = True  # an asynchronous copy: the caller may reuse the buffer
             return value.to(self.device, non_blocking=self._non_blocking)
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             items = [self._to_device(v, moved) for v in value]
@@ -219,8 +220,9 @@ class SequentialOffloadHook:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Make the group resident and put tensor args/kwargs on the device.
 
-        Weight loads synchronize inside ``ComponentWeights.load``; moved inputs are
-        synchronized here. Nothing moved: no synchronize. Compiler-disabled: the
+        Weight loads are ordered by the stream (no host wait). Inputs in pinned host
+        memory, whose copy is asynchronous, are synchronized here, so the caller may reuse
+        them after the call; pageable inputs are copied synchronously (no synchronize). Compiler-disabled: the
         instance's ``pre_forward`` is wrapped by ``torch.compiler.disable`` in
         ``__init__`` (there, not at import, so importing the package does not import
         ``torch._dynamo``).

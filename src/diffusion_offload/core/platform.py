@@ -145,6 +145,11 @@ class Platform:
 
     # -- streams (``has_streams`` platforms; None / no-ops elsewhere) ------------------
 
+    def storage_key(self, t: torch.Tensor) -> int:
+        """The identity of the device allocation ``t`` views (its ``StorageImpl``'s
+        address): equal for all views of one allocation while it lives. Host-side only."""
+        return t.untyped_storage()._cdata
+
     def new_stream(self) -> Any:
         """A new side stream on the device (``torch.cuda.Stream(device)``), or None."""
         if not self.has_streams:
@@ -250,6 +255,10 @@ class FakePlatform(Platform):
     def host_unregister(self, ptr: int) -> None:
         """Undo the simulated registration."""
         self._module.host_unregister(ptr)
+
+    def storage_key(self, t: torch.Tensor) -> int:
+        """The allocation a ``fakegpu`` tensor views (its wrapper's own storage is not it)."""
+        return int(self._module.storage_key(t))
 
 
 class CpuPlatform(Platform):

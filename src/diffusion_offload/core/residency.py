@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .arena import Arena
+from . import checks
 from .platform import same_device
-from .transfer import Mover, TensorSlot, Transaction, payload_of, record_on, storage_span
+from .transfer import Member, Mover, TensorSlot, Transaction, payload_of, record_on, storage_span
 
 __all__ = ["ComponentWeights", "WeightTable", "named_tensors"]
 
@@ -153,6 +155,13 @@ class ComponentWeights:
         return sum(s.nbytes for s in self.slots if s.evictable)
 
     @property
+    def transfer_bytes(self) -> int:
+        """Bytes one load of every evictable tensor copies host->device: each arena whole
+        (its 16-byte alignment padding included), every other slot by itself."""
+        arenas = {id(s.arena): s.arena.nbytes for s in self.slots if s.evictable and s.arena is not None}
+        return sum(arenas.values()) + sum(s.nbytes for s in self.slots if s.evictable and s.arena is None)
+
+    @property
     def ready(self) -> bool:
         """Resident, no load in flight, no structural change pending: nothing to do before
         it runs (O(1))."""
@@ -215,28 +224,74 @@ class ComponentWeights:
         self.synced = generation
         txn.on_rollback(lambda: setattr(self, "synced", previous))
 
-    def load_slots(self, txn: Transaction) -> tuple[int, list[Any]]:
-        """Copy every slot not on the device there (on the current stream), within ``txn``.
+    def load_slots(self, txn: Transaction) -> tuple[int, list[Arena], list[Member]]:
+        """Copy every slot not on the device there (on the current stream), within ``txn``:
+        each arena whose slots are all off the device in one H2D copy
+        (``Mover.load_arena``), any other slot by itself.
 
         Returns:
-            ``(H2D bytes, members loaded from host copies)``.
+            ``(H2D bytes, arenas loaded whole, members of slots loaded by themselves)``.
         """
         mover = self.mover
+        device = mover.device
+        waiting: dict[int, tuple[Arena, int]] = {}
+        for slot in self.slots:
+            if slot.arena is not None and slot.evictable and not slot.on_device(device):
+                arena, n = waiting.get(id(slot.arena), (slot.arena, 0))
+                waiting[id(arena)] = (arena, n + 1)
         moved = 0
-        loaded: list[Any] = []
+        arenas: list[Arena] = []
+        for arena, n in waiting.values():
+            # an arena whose weights had their ``.data`` replaced while resident (layerwise
+            # casting does it on every forward) loads tensor by tensor from then on: the
+            # replaced ones' old bytes would otherwise stay allocated until the eviction
+            if n == len(arena.slots) and all(s.evictable and not s.rebinds for s in arena.slots):
+                moved += mover.load_arena(arena, txn)
+                arenas.append(arena)
+        singles: list[Member] = []
         for slot in self.slots:
             if slot.evictable:
                 n = mover.load(slot, txn)
                 if n:
-                    loaded.extend(slot.members)
+                    singles.extend(slot.members)
                 moved += n
-            elif not slot.on_device(mover.device):
+            elif not slot.on_device(device):
                 moved += mover.place(slot, txn)
-        return moved, loaded
+        return moved, arenas, singles
+
+    def record_checks(self) -> None:
+        """Record the write-check sums of every arena of the component loaded whole and
+        not recorded yet (``checks.record``), on the current stream: two reductions and one
+        asynchronous copy back an arena, no host wait. No device room for the sums:
+        nothing is recorded (the members are then compared with their host copies)."""
+        mover = self.mover
+        for slot in self.slots:
+            a = slot.arena
+            if a is None or a.checked or a.device_key is None:
+                continue
+            try:
+                checks.record(mover.stats, a, slot.members[0].payload, mover.platform)
+            except torch.OutOfMemoryError:
+                return
+
+    def changed(self, slots: list[TensorSlot]) -> list[bool]:
+        """Per member of ``slots`` (resident, about to leave), whether its device bytes
+        differ from its host copy (``checks.changed``); every member when the device has
+        no room left even for the check's temporaries (written back: correct, costs D2H)."""
+        pairs = [(s, m) for s in slots for m in s.members]
+        stats = self.mover.stats
+        if pairs:
+            stats.device_checks += 1
+        try:
+            return checks.changed(stats, pairs, self.mover.platform)
+        except torch.OutOfMemoryError:
+            return [True] * len(pairs)
 
     def load(self) -> int:
         """Make every tensor of the component device-resident; return the H2D bytes.
 
+        The copies are queued on the current stream with the write check's sums after
+        them; nothing waits for them on the host (the stream orders the compute after).
         All or nothing: on any exception (``KeyboardInterrupt`` included) every tensor
         loaded by this call is put back on the host and its device copy freed at once.
 
@@ -245,14 +300,12 @@ class ComponentWeights:
             ValueError: a new tensor is a meta tensor (see ``sync``).
         """
         start = time.perf_counter()
-        mover = self.mover
         txn = Transaction()
         try:
             self.sync(txn)
-            moved, loaded = self.load_slots(txn)
+            moved, _, _ = self.load_slots(txn)
             if moved:
-                mover.platform.synchronize()
-            mover.record(loaded)
+                self.record_checks()
         except torch.OutOfMemoryError as exc:
             txn.rollback()
             raise torch.OutOfMemoryError(
@@ -271,16 +324,14 @@ class ComponentWeights:
     def load_async(self, stream: Any) -> "PendingLoad":
         """Queue the component's load on ``stream`` (a copy stream) and return at once.
 
-        The H2D copies and the fingerprints of the loaded tensors are queued on
-        ``stream``, followed by an event. Until ``finish_load`` the component is
-        ``resident`` but not ``ready``: nothing may read its weights before the consuming
-        stream waits on that event (``finish_load`` does). All or nothing.
+        The H2D copies and the write check's sums are queued on ``stream``, followed by
+        an event. Until ``finish_load`` the component is ``resident`` but not ``ready``:
+        nothing may read its weights before the consuming stream waits on that event
+        (``finish_load`` does). All or nothing.
 
         Raises:
             torch.OutOfMemoryError: no room for the component (nothing stays loaded).
         """
-        from .writes import fingerprints
-
         start = time.perf_counter()
         mover = self.mover
         platform = mover.platform
@@ -288,9 +339,9 @@ class ComponentWeights:
         try:
             with platform.use_stream(stream):
                 self.sync(txn)
-                moved, loaded = self.load_slots(txn)
-                with torch.inference_mode(False), torch.no_grad():
-                    fps = fingerprints([m.payload for m in loaded]) if loaded else None
+                moved, arenas, singles = self.load_slots(txn)
+                if moved:
+                    self.record_checks()
                 event = platform.new_event()
                 if event is not None:
                     event.record(stream)
@@ -301,7 +352,8 @@ class ComponentWeights:
             raise
         txn.commit()
         self.resident = True
-        self.pending = PendingLoad(loaded, fps, event)
+        loaded = [m for a in arenas for s in a.slots for m in s.members] + singles
+        self.pending = PendingLoad(loaded, event)
         mover.stats.prefetches += 1
         if moved:
             self._count("load", start)
@@ -328,21 +380,11 @@ class ComponentWeights:
         pending.ordered.add(key)
 
     def finish_load(self, pending: "PendingLoad") -> None:
-        """Order the current stream after an ``load_async`` (``order_pending``) and record
-        the loaded tensors' fingerprints (read back now: 8 bytes a tensor, after the copy
-        has completed). No-op if ``pending`` is not this component's load in flight."""
+        """Order the current stream after a ``load_async`` (``order_pending``); no host
+        wait. No-op if ``pending`` is not this component's load in flight."""
         if self.pending is not pending:
             return
-        mover = self.mover
         self.order_pending()
-        if pending.fps is not None:
-            fps = pending.fps.cpu().tolist()
-            stats = mover.stats
-            stats.fingerprint_bytes += sum(m.nbytes for m in pending.members)
-            stats.fingerprints += len(pending.members)
-            stats.check_d2h_bytes += 8 * len(pending.members)
-            for m, fp in zip(pending.members, fps):
-                m.fp = fp
         self.pending = None
 
     def finish_pending(self) -> bool:
@@ -383,14 +425,11 @@ class ComponentWeights:
                 s for s in self.slots
                 if s.evictable and s.on_device(mover.device) and not self._kept_for_others(s)
             ]
-            mover.evict(on_device, txn)
+            mover.evict(on_device, txn, self.changed(on_device))
         except BaseException:
             txn.rollback()
             raise
         txn.commit()
-        for slot in on_device:
-            for m in slot.members:
-                m.fp = None
         self.resident = False
         if on_device:
             self._count("evict", start)
@@ -413,15 +452,14 @@ def _stream_key(stream: Any) -> Any:
 
 
 class PendingLoad:
-    """An asynchronous component load in flight: the tensors it loaded, their device
-    fingerprints (int64 ``(N,)``, or None), the event recorded after them, and the ids
-    (``_stream_key``) of the streams already ordered after it (``ComponentWeights.order_pending``)."""
+    """An asynchronous component load in flight: the tensors it loaded, the event
+    recorded after them (and after the write check's sums), and the ids (``_stream_key``)
+    of the streams already ordered after it (``ComponentWeights.order_pending``)."""
 
-    __slots__ = ("members", "fps", "event", "ordered")
+    __slots__ = ("members", "event", "ordered")
 
-    def __init__(self, members: list[Any], fps: torch.Tensor | None, event: Any) -> None:
+    def __init__(self, members: list[Any], event: Any) -> None:
         self.members = members
-        self.fps = fps
         self.event = event
         self.ordered: set[Any] = set()
 
@@ -547,13 +585,16 @@ class WeightTable:
         return out
 
     def adopt(
-        self, named: dict[str, list[tuple[str, torch.Tensor]]], txn: Transaction
+        self, named: dict[str, list[tuple[str, torch.Tensor]]], txn: Transaction, pack: bool = False
     ) -> None:
         """Give the components in ``named`` these tensors (new ones get slots and host copies).
 
         A tensor already managed (shared with another component) gains an owner; a slot is
         evictable only when every owner is selected. New evictable tensors get host copies
-        (pinned when allowed); new non-evictable ones are placed on the device.
+        (pinned when allowed); new non-evictable ones are placed on the device. With
+        ``pack`` (``enable``) the host copies of each component's own evictable tensors are
+        packed into arenas (``Mover.pack``); tensors adopted later (a LoRA layer added
+        after ``enable``) keep host copies of their own until the next ``enable``.
         """
         self.check_tensors(named)
         owners, objs = _owners(named)
@@ -570,7 +611,7 @@ class WeightTable:
                 fresh.setdefault(frozenset(owners[key]), []).append(t)
         for names, group in fresh.items():
             evictable = self._evictable(set(names))
-            for slot in self.mover.group(group, txn, evictable):
+            for slot in self.mover.group(group, txn, evictable, pack=pack and len(names) == 1):
                 for m in slot.members:
                     self._slot_of[id(m.obj)] = slot
                 txn.on_rollback(lambda s=slot: self._forget(s))

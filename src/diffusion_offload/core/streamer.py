@@ -20,20 +20,20 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   event, so whatever the caller runs between requests (a read, an in-place write,
   ``fuse_lora``) is ordered after that copy, and the pipeline's own read of its output
   orders the host too: no host wait is added;
-* a load is copies only; it notes each tensor's host-visible write state
-  (``writes.write_state``: version counter, storage identity). A block released in the
-  stage call that loaded it is checked on the host against that state: no device op, no
-  host wait; a tensor written in place is written back. When the host cannot judge (the
-  block sat on the device across a call's boundary, as the carried prefetch does, or a
-  ``.data`` was reassigned), the release computes one fingerprint of the whole block on
-  the device (``writes.block_fingerprint``: two reductions per large tensor, a few ops for
-  the block) and reads back those 8 bytes, to compare with the same fingerprint of the
-  host copies (computed on the host, once per block, and refreshed after a write-back;
-  it is exact integer arithmetic, equal on any device). Only when they differ are the
-  per-tensor fingerprints of both copies compared, and the tensors that changed written
-  back, as module mode does (section 4). Dropping a prefetch that guessed wrong is a
-  release like any other. The one write neither sees in time: ``p.data.add_(x)`` on a
-  streamed block inside its own forward.
+* a load is one H2D copy per arena (the block's host copies packed together,
+  ``arena``); it notes each tensor's host-visible write state (``writes.write_state``:
+  version counter, storage identity). A block released in the stage call that loaded it
+  is checked on the host against that state: no device op, no host wait; a tensor
+  written in place is written back. The carried block, which sits on the device across a
+  call's boundary where the caller's code may write ``p.data`` in place, is checked on
+  the host as the call ends; when the next stage call starts its arena's sums are
+  computed on the device, read back (one host wait) and compared with the same sums of
+  its host copy (``checks.changed``). Unchanged, the block counts as loaded in that
+  call; changed, what changed is written back (``checks.compare_with_host`` finds which
+  tensors) and the block released. A tensor whose ``.data`` was reassigned (the host
+  cannot judge it) is compared with its host copy at its release the same way.
+  Dropping a prefetch that guessed wrong is a release like any other. The one write
+  neither sees in time: ``p.data.add_(x)`` on a streamed block inside its own forward.
 
 Other platforms copy synchronously on the current stream.
 
@@ -60,7 +60,7 @@ import torch
 from .platform import Platform
 from .residency import ComponentWeights
 from .transfer import Member, Mover, Transaction, record_on
-from .writes import block_fingerprint, fingerprints, write_state
+from .writes import write_state
 
 __all__ = ["BlockStreamer", "CallKey", "StreamedBlock"]
 
@@ -71,8 +71,8 @@ class StreamedBlock:
     """One streamed block: its weights, its place in its component, its device state."""
 
     __slots__ = (
-        "component", "index", "name", "weights", "event", "ref", "members", "on_device",
-        "epoch", "seen", "__weakref__",
+        "component", "index", "name", "weights", "event", "on_device", "epoch", "seen",
+        "sealed", "__weakref__",
     )
 
     def __init__(self, component: str, index: int, name: str, weights: ComponentWeights) -> None:
@@ -81,16 +81,16 @@ class StreamedBlock:
         self.name = name
         self.weights = weights
         self.event: Any = None  # recorded on the copy stream after the load
-        self.ref: int | None = None  # the block fingerprint of the host copies (writes.block_fingerprint)
-        self.members: list[Member] = []  # the members ``ref`` covers, in order
         self.on_device = False
         self.epoch = -1  # the streamer's epoch when the block was loaded
         self.seen: dict[int, tuple[int, int]] = {}  # id(member) -> write_state at load
+        self.sealed = False  # host-checked clean as it crossed a call boundary
 
     @property
     def nbytes(self) -> int:
-        """Bytes that stream for this block."""
-        return self.weights.evictable_bytes
+        """Bytes that stream for this block: its arena, alignment padding included
+        (``ComponentWeights.transfer_bytes``)."""
+        return self.weights.transfer_bytes
 
     def __repr__(self) -> str:
         return f"StreamedBlock({self.component}.{self.name}, {'device' if self.on_device else 'host'})"
@@ -249,6 +249,7 @@ class BlockStreamer:
                 key = self._call if self._call is not None else (component, 1)
             else:
                 self._epoch += 1
+                self._verify_carried()
                 key = self._key(component)
                 if self._call is not None and len(self.successor) < _MAX_SUCCESSORS:
                     self.successor[self._call] = key
@@ -294,6 +295,55 @@ class BlockStreamer:
                 self._sweep(keep=self.prefetched)
             if self.prefetched is not None:
                 self._wait(self.prefetched)  # later work on this stream follows the copy
+                if not self.stack:
+                    self._seal(self.prefetched)
+
+    def _seal(self, block: StreamedBlock) -> None:
+        """The carried block is about to sit on the device across a call's boundary, where
+        the caller's code may write it: check on the host that its own call did not write
+        it (a block kept to run again), so that its device bytes equal its host copy as
+        the call ends (no device op, no host wait); a block written, or one the host
+        cannot judge, is released instead (written back)."""
+        if not self.check_writes or block.sealed:
+            return
+        comp = block.weights
+        members = [m for s in comp.slots if s.evictable and s.on_device(self.device) for m in s.members]
+        clean = self._host_changed(block, members)
+        if clean is None or any(clean):
+            self.prefetched = None
+            try:
+                self._release(block)
+            except BaseException:
+                self.prefetched = block
+                raise
+            return
+        block.sealed = True
+
+    def _verify_carried(self) -> None:
+        """A new stage call starts: compare the carried block with its host copy (the
+        arena's sums computed on the device, read back: one host wait, against the same
+        sums of the host copy, ``checks.changed``). Unchanged, it counts as loaded in this
+        call (its later release is checked on the host); changed, it is released now (what
+        changed is written back) and loaded again when needed."""
+        block = self.prefetched
+        if block is None or not block.sealed or not block.on_device:
+            return
+        comp = block.weights
+        slots = [s for s in comp.slots if s.evictable and s.on_device(self.device)]
+        waited = time.perf_counter()
+        changed = comp.changed(slots)
+        self._emit("host wait", block, waited)
+        if any(changed):
+            self.prefetched = None
+            try:
+                self._release(block, known=changed)
+            except BaseException:
+                self.prefetched = block
+                raise
+            return
+        block.sealed = False
+        block.epoch = self._epoch
+        block.seen = {id(m): write_state(m.payload) for s in slots for m in s.members}
 
     def _repredict(self, component: str) -> None:
         """At the end of a call, with what it ran known: a prefetch that guessed wrong (the
@@ -519,7 +569,7 @@ class BlockStreamer:
         try:
             with self.platform.use_stream(stream):
                 comp.sync(txn)
-                moved, _ = comp.load_slots(txn)
+                moved, _, _ = comp.load_slots(txn)
                 event = None
                 if stream is not None:
                     event = self.platform.new_event()
@@ -534,6 +584,7 @@ class BlockStreamer:
             self._abort(txn, stream)
             raise
         txn.commit()
+        block.sealed = False
         block.event = event
         block.on_device = True
         if self.check_writes:
@@ -552,57 +603,23 @@ class BlockStreamer:
             stream.synchronize()  # no copy may still write what the rollback frees
         txn.rollback()
 
-    @staticmethod
-    def _host_views(slots: list[Any]) -> list[torch.Tensor]:
-        """The host copies of the slots' members, in member order."""
-        return [slot.view(slot.host, m) for slot in slots for m in slot.members]
-
-    def _host_ref(self, block: StreamedBlock, slots: list[Any], members: list[Member]) -> None:
-        """The block fingerprint of the members' host copies, computed on the host."""
-        with torch.inference_mode(False), torch.no_grad():
-            block.ref = int(block_fingerprint(self._host_views(slots)))
-        block.members = list(members)
-
     def _changed(
         self, block: StreamedBlock, slots: list[Any], members: list[Member], unchanged: bool
     ) -> list[bool]:
         """Per member, whether its device bytes differ from its host copy: on the host
-        when it can tell (``_host_changed``), else one block fingerprint computed on the
-        device (8 bytes read back), plus the per-member fingerprints of both copies when
-        it differs."""
+        when it can tell (``_host_changed``), else by the load's device check
+        (``ComponentWeights.changed``: the arena's sums compared on the device, one host
+        wait)."""
         if unchanged or not members or not self.check_writes:
             return [False] * len(members)
-        stats = self.stats
         on_host = self._host_changed(block, members)
         if on_host is not None:
-            stats.host_checks += 1
+            self.stats.host_checks += 1
             return on_host
-        if block.ref is None or [id(m) for m in members] != [id(m) for m in block.members]:
-            self._host_ref(block, slots, members)
-        payloads = [m.payload for m in members]
-        relaid = any(p.dtype != m.dtype or tuple(p.shape) != m.shape for p, m in zip(payloads, members))
-        with torch.inference_mode(False), torch.no_grad():
-            try:
-                if not relaid:  # (a new dtype or shape is a change: the per-member check says which)
-                    now = block_fingerprint(payloads)
-                    stats.fingerprints += 1
-                    stats.fingerprint_bytes += sum(m.nbytes for m in members)
-                    stats.check_d2h_bytes += 8
-                    waited = time.perf_counter()
-                    same = int(now.item()) == block.ref
-                    self._emit("host wait", block, waited)
-                    if same:
-                        return [False] * len(members)
-                    del now
-                stats.check_d2h_bytes += 8 * len(members)
-                device = fingerprints(payloads).tolist()
-            except torch.OutOfMemoryError:
-                # no device room for the fingerprints' temporaries (an OOM retry releasing
-                # on a full device): write every member back, which needs none
-                return [True] * len(members)
-            host = fingerprints(self._host_views(slots)).tolist()
-        changed = [d != h for d, h in zip(device, host)]
-        return changed if any(changed) else [True] * len(members)  # the block differs: be safe
+        waited = time.perf_counter()
+        changed = block.weights.changed(slots)
+        self._emit("host wait", block, waited)
+        return changed
 
     def _host_changed(self, block: StreamedBlock, members: list[Member]) -> list[bool] | None:
         """Per member, whether it was written in place since the block loaded, judged on
@@ -626,7 +643,9 @@ class BlockStreamer:
             changed.append(version != before[0])
         return changed
 
-    def _release(self, block: StreamedBlock, unchanged: bool = False) -> None:
+    def _release(
+        self, block: StreamedBlock, unchanged: bool = False, known: list[bool] | None = None
+    ) -> None:
         """Write back what changed, then drop the block's device copies. A prefetched
         block's memory was recorded on the stream that ran it (``_wait``), so the caching
         allocator reuses it only after that compute. All or nothing: on failure the block
@@ -643,14 +662,13 @@ class BlockStreamer:
         txn = Transaction()
         try:
             members = [m for s in slots for m in s.members]
-            changed = self._changed(block, slots, members, unchanged)
+            changed = known if known is not None else self._changed(block, slots, members, unchanged)
             mover.evict(slots, txn, changed)
         except BaseException:
             txn.rollback()
             raise
         txn.commit()  # the device copies are freed here
-        if any(changed):
-            block.ref = None  # the host copies were written: their fingerprint is refreshed when needed
+        block.sealed = False
         block.event = None
         block.on_device = False
         block.seen = {}

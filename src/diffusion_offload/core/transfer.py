@@ -14,18 +14,23 @@ The rules (SPEC section 4, robustness contract):
   graph, a weakref from compiled code, a user variable. ``torch.utils.swap_tensors``
   refuses all three. On CUDA/XPU/NPU ``set_data`` does this natively; the fake
   accelerator (``testing.fake_accelerator``) gives ``.data`` the same behaviour.
-* Each evictable storage has exactly one host copy. A storage already on the host *is*
-  its host copy (pinned in place when asked and supported, see ``hostmem``); a tensor on
-  the device when it is adopted is copied to the host once, then. Loading copies
-  host->device once per storage; evicting an unmodified tensor rebinds it to its host
-  view (no device->host copy), which frees the device copy at once.
-* **Writes are found by comparing bytes, on the device.** At load each tensor gets a
-  64-bit fingerprint of its device bytes (``writes.fingerprint``), read back in one copy of 8
-  bytes per tensor per component; at eviction a tensor whose dtype/shape changed or whose
-  new fingerprint differs is written back. ``.data`` in-place ops (invisible to
-  ``_version``), ``.data`` reassignment to equal bytes (layerwise casting: no write-back)
-  and to new bytes (written back), and in-place ops that leave the bytes as they were
-  (``add_(0)``: no write-back) are all decided by the bytes themselves.
+* Each evictable storage has exactly one host copy. At ``enable`` the host copies of
+  each component's own tensors are packed into arenas (``arena``, ``Mover.pack``): one
+  pinned buffer of at most 1 GiB each, filled storage by storage, so a load is one H2D
+  copy per arena into one device allocation whose views the tensors become, freed
+  together. Other host copies (tensors shared between components, adopted after
+  ``enable``) are the original storage's span, pinned in place when asked and supported
+  (``hostmem``); a tensor on the device when it is adopted is copied to the host once,
+  then. Evicting an unmodified tensor rebinds it to its host view (no device->host
+  copy), which frees the device copy at once.
+* **Writes are found by comparing bytes** (``checks``): an arena's row and column sums
+  are computed on the device after its copy and copied back without waiting, then
+  computed again and read back when it leaves (one host wait); what differs, or is not
+  covered by an arena, is compared with its host copy by fingerprints. A tensor whose dtype/shape changed or whose bytes differ is
+  written back. ``.data`` in-place ops (invisible to ``_version``), ``.data``
+  reassignment to equal bytes (layerwise casting: no write-back) and to new bytes
+  (written back), and in-place ops that leave the bytes as they were (``add_(0)``: no
+  write-back) are all decided by the bytes themselves.
 * Moves run with inference mode and autograd off, so host and device copies are
   ordinary tensors even when the caller is inside ``torch.inference_mode()``.
 """
@@ -43,7 +48,7 @@ from typing import Any
 import torch
 
 from . import hostmem
-from .writes import fingerprints
+from .arena import ARENA_BYTES, Arena, layout
 from .platform import Platform, same_device
 
 __all__ = [
@@ -68,12 +73,17 @@ class TransferStats:
         loads: component loads that moved at least one tensor.
         evictions: component evictions that moved at least one tensor.
         transfer_seconds: wall seconds spent in loads and evictions, synchronize included.
-        fingerprint_bytes: device bytes read to fingerprint tensors (at load and eviction).
-        fingerprints: fingerprints read back to the host (8 bytes each, one copy per
-            component load or eviction).
-        check_d2h_bytes: bytes read back to the host to decide whether weights changed
-            (8 per fingerprint in module mode; 1 per block release in layer mode, whose
-            fingerprints are compared on the device). Not weight bytes.
+        fingerprint_bytes: device bytes read by write checks (``checks.LoadCheck``: at
+            load and when leaving the device).
+        fingerprints: write-check sums computed on the device: one per arena (its row and
+            column sums) or per member fingerprinted one by one, at load and when leaving.
+        check_d2h_bytes: bytes copied back to the host to decide whether weights changed:
+            8 per member compared with its host copy, and one byte per sum when a
+            comparison on the device differs (the comparison's own answer, ``torch.equal``,
+            is a host wait but no copy). Not weight bytes.
+        device_checks: write checks decided on the device when weights left it: one
+            comparison read back (a host wait) each, plus per-member read-backs when it
+            differs.
         host_checks: layer mode: block releases decided on the host (version counters and
             storage identity, no device op, no read-back): blocks loaded and released
             inside one stage call.
@@ -93,6 +103,7 @@ class TransferStats:
     fingerprint_bytes: int = 0
     fingerprints: int = 0
     check_d2h_bytes: int = 0
+    device_checks: int = 0
     host_checks: int = 0
     prefetches: int = 0
     fallback_loads: int = 0
@@ -119,6 +130,10 @@ class TransferStats:
     def as_dict(self) -> dict[str, float]:
         """The counters as a plain dict (JSON-ready)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _restore(arena: Arena, loaded: tuple[int | None, bool]) -> None:
+    arena.device_key, arena.checked = loaded
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -155,12 +170,9 @@ class Member:
             shard); its identity never changes.
         dtype, shape, stride: the view's metadata in the host copy.
         offset: storage offset, in elements of ``dtype``, from the slot's span start.
-        fp: the 64-bit fingerprint (a Python int, read back at load) of the payload as
-            loaded or as last written back, while resident; None while evicted (or when
-            the device had no room to compute it: the eviction then writes back).
     """
 
-    __slots__ = ("obj", "dtype", "shape", "stride", "offset", "fp")
+    __slots__ = ("obj", "dtype", "shape", "stride", "offset")
 
     def __init__(self, obj: torch.Tensor, offset: int, stride: tuple[int, ...]) -> None:
         self.obj = obj
@@ -169,7 +181,6 @@ class Member:
         self.shape = tuple(p.shape)
         self.stride = stride
         self.offset = offset
-        self.fp: int | None = None
 
     @property
     def payload(self) -> torch.Tensor:
@@ -196,9 +207,13 @@ class TensorSlot:
         pinned: whether ``host`` is in pinned memory.
         nbytes: bytes of the span (moved host->device once per load).
         owners: names of the components that hold the slot.
+        arena: the ``Arena`` whose buffer holds ``host``, or None (a host copy of its own).
+        rebinds: set when a write check found a member's ``.data`` reassigned while
+            resident (diffusers' layerwise casting does it on every forward): its arena
+            then loads tensor by tensor, so a replaced tensor's old bytes are freed at once.
     """
 
-    __slots__ = ("members", "evictable", "host", "pinned", "nbytes", "owners")
+    __slots__ = ("members", "evictable", "host", "pinned", "nbytes", "owners", "arena", "rebinds")
 
     def __init__(
         self,
@@ -213,6 +228,8 @@ class TensorSlot:
         self.pinned = pinned
         self.nbytes = host.numel() if host is not None else int(nbytes or 0)
         self.owners: set[str] = set()
+        self.arena: Arena | None = None
+        self.rebinds = False
 
     def view(self, buf: torch.Tensor, m: Member) -> torch.Tensor:
         """Member ``m``'s view into ``buf`` (the host span or its device copy)."""
@@ -361,15 +378,21 @@ class Mover:
         pin_memory: pin host copies when the platform supports it.
         max_pinned_bytes: at most this many bytes of host copies are pinned (the rest stay
             pageable); None: no cap.
+        arena_bytes: the largest arena ``pack`` makes (``arena.ARENA_BYTES``, 1 GiB).
 
     Attributes:
         stats: the engine's counters (``TransferStats``).
     """
 
     def __init__(
-        self, platform: Platform, pin_memory: bool, max_pinned_bytes: int | None = None
+        self,
+        platform: Platform,
+        pin_memory: bool,
+        max_pinned_bytes: int | None = None,
+        arena_bytes: int = ARENA_BYTES,
     ) -> None:
         self.platform = platform
+        self.arena_bytes = arena_bytes
         self.device = platform.device
         self.pin = pin_memory and platform.supports_pinning
         self.max_pinned_bytes = max_pinned_bytes
@@ -402,13 +425,17 @@ class Mover:
         else:
             self.stats.pageable_host_bytes += sign * slot.nbytes
 
-    def group(self, objs: Iterable[torch.Tensor], txn: Transaction, evictable: bool) -> list[TensorSlot]:
+    def group(
+        self, objs: Iterable[torch.Tensor], txn: Transaction, evictable: bool, pack: bool = False
+    ) -> list[TensorSlot]:
         """Build the slots of ``objs`` (enable or adoption time; never on the eviction path).
 
         Host tensors that share a storage become one slot whose host copy is the span of
         the original storage they cover. For evictable slots that span is pinned in place
         when allowed (no second copy), and a tensor on the device gets a host copy of its
-        own through one D2H copy (counted in ``d2h_bytes``) and stays resident.
+        own through one D2H copy (counted in ``d2h_bytes``) and stays resident. With
+        ``pack`` (``enable``: the tensors of one component) the evictable host copies are
+        moved into arenas instead (``pack``), pinned when allowed.
         Non-evictable tensors get no host copy: ``place`` puts them on the device for good.
         Every tensor must be on the host or on this device (``WeightTable.check_tensors``
         checks that, with the component's and the tensor's names, before anything moves).
@@ -424,12 +451,80 @@ class Mover:
             else:
                 member = Member(obj, p.storage_offset(), p.stride())
                 slots.append(TensorSlot([member], None, False, _nbytes(p)))
+        pack = pack and evictable
         for objs_of_storage in host_groups.values():
-            slots.extend(self._adopt_host(objs_of_storage, txn, pin=evictable))
+            slots.extend(self._adopt_host(objs_of_storage, txn, pin=evictable and not pack))
         for slot in slots:
             slot.evictable = evictable
-        self.record([m for s in slots if s.evictable and s.on_device(self.device) for m in s.members])
+        if pack:
+            self.pack(slots, txn)
         return slots
+
+    def pack(self, slots: list[TensorSlot], txn: Transaction) -> list[Arena]:
+        """Move the host copies of ``slots`` into arenas of at most ``arena_bytes`` each
+        (``arena.layout``: in order, 16-byte aligned), pinned when allowed.
+
+        Each arena is filled slot by slot: a slot's old host copy is dropped as soon as it
+        is copied, so the host holds the weights plus one arena at most. Members on the host
+        are rebound to their view of the arena (same objects); members on the device stay.
+        Slots of DTensor shards, and slots already in an arena, are left as they are. On
+        rollback every slot gets a pageable host copy of its own again (equal bytes).
+
+        Returns:
+            The arenas made.
+        """
+        todo = [
+            s for s in slots
+            if s.host is not None and s.arena is None and s.nbytes > 0
+            and not any(_is_dtensor(m.obj) for m in s.members)
+        ]
+        arenas: list[Arena] = []
+        while todo:
+            # the first arena of what is left; under max_pinned_bytes it is cut to the room
+            # left for pinning, so host copies are pinned up to the cap
+            limit = self.arena_bytes
+            cap = self.max_pinned_bytes
+            if self.pin and cap is not None and 0 < cap - self.stats.pinned_bytes < limit:
+                limit = cap - self.stats.pinned_bytes
+            index, offsets, nbytes = layout([s.nbytes for s in todo], limit)[0]
+            slots_of_arena = [todo[i] for i in index]
+            todo = todo[index[-1] + 1 :]
+            with torch.inference_mode(False), torch.no_grad():
+                # not zeros: pages are touched (and counted) only as each copy fills them
+                buf, pinned = self._pin(torch.empty(nbytes, dtype=torch.uint8), [], txn)
+                arena = Arena(buf, pinned)
+                txn.on_rollback(lambda a=arena: self._unpack(a))
+                end = 0
+                for slot, offset in zip(slots_of_arena, offsets):
+                    buf[end:offset].zero_()  # alignment padding: defined bytes for the sums
+                    span = arena.add(slot, offset)
+                    span.copy_(slot.host)
+                    end = offset + slot.nbytes
+                    on_host = not slot.on_device(self.device)
+                    self._account(slot, -1)
+                    slot.host, slot.pinned, slot.arena = span, pinned, arena
+                    self._account(slot, +1)
+                    if on_host:
+                        for m in slot.members:
+                            _rebind(m.obj, slot.view(span, m))
+                buf[end:].zero_()
+            arenas.append(arena)
+        return arenas
+
+    def _unpack(self, arena: Arena) -> None:
+        """Undo ``pack`` for ``arena``: each slot's host copy becomes a pageable copy of its
+        own (members on the host are rebound to it)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for slot in list(arena.slots):
+                old = slot.host
+                fresh = old.clone()
+                self._account(slot, -1)
+                slot.host, slot.pinned, slot.arena = fresh, False, None
+                self._account(slot, +1)
+                for m in slot.members:
+                    if m.payload.device.type == "cpu":
+                        _rebind(m.obj, slot.view(fresh, m))
+                arena.remove(slot)
 
     def _pin(self, span: torch.Tensor, objs: list[torch.Tensor], txn: Transaction) -> tuple[torch.Tensor, bool]:
         """Pin the host ``span`` (``uint8``) if allowed: in place, else by one pinned copy.
@@ -492,12 +587,18 @@ class Mover:
         return [slot]
 
     def release(self, slot: TensorSlot) -> None:
-        """Forget a slot no component holds any more (its gauges; memory goes with it)."""
+        """Forget a slot no component holds any more (its gauges; memory goes with it). It
+        leaves its arena's slots, so the arena does not keep its tensors alive."""
         self._account(slot, -1)
+        if slot.arena is not None:
+            slot.arena.slots = [s for s in slot.arena.slots if s is not slot]
 
     def unrelease(self, slot: TensorSlot) -> None:
         """Undo ``release`` (a rolled-back structural change)."""
         self._account(slot, +1)
+        arena = slot.arena
+        if arena is not None and all(s is not slot for s in arena.slots):
+            arena.slots = sorted([*arena.slots, slot], key=lambda s: arena.offsets[id(s)])
 
     # -- loads and evictions ----------------------------------------------------------
 
@@ -522,6 +623,27 @@ class Mover:
         self.stats.h2d_bytes += slot.nbytes
         return slot.nbytes
 
+    def load_arena(self, arena: Arena, txn: Transaction) -> int:
+        """Copy a whole arena to the device in one H2D copy and rebind its slots' members
+        to views of that one allocation; return the H2D bytes (the arena's, padding
+        included). Every slot of ``arena`` must be off the device. Host-side replacements
+        are taken into the host copies first (``load``); a slot that had to leave the arena
+        then (a new dtype or shape) is not loaded here."""
+        with torch.inference_mode(False), torch.no_grad():
+            for slot in list(arena.slots):
+                self._take_host_writes(slot)
+            dev = arena.host.to(self.device, non_blocking=arena.pinned)
+            for slot in arena.slots:
+                offset = arena.offsets[id(slot)]
+                span = dev[offset : offset + slot.nbytes]
+                for m in slot.members:
+                    txn.rebind(m.obj, slot.view(span, m))
+            arena.device_key, arena.checked = self.platform.storage_key(dev), False
+            del dev
+        txn.on_rollback(arena.unload)
+        self.stats.h2d_bytes += arena.nbytes
+        return arena.nbytes
+
     @staticmethod
     def _whole_view(slot: TensorSlot) -> torch.Tensor | None:
         """The host view of a slot's only member when it covers the span contiguously."""
@@ -532,31 +654,6 @@ class Mover:
         if m.offset or not view.is_contiguous() or _nbytes(view) != slot.nbytes:
             return None
         return view
-
-    def _fingerprints(self, members: list[Member]) -> list[int]:
-        """The members' current fingerprints, computed on the device, read back in one copy
-        of 8 bytes per tensor."""
-        if not members:
-            return []
-        with torch.inference_mode(False), torch.no_grad():
-            fps = fingerprints([m.payload for m in members]).cpu().tolist()
-        self.stats.fingerprint_bytes += sum(m.nbytes for m in members)
-        self.stats.fingerprints += len(members)
-        self.stats.check_d2h_bytes += 8 * len(members)
-        return fps
-
-    def record(self, members: list[Member]) -> None:
-        """Remember the members' resident bytes (their fingerprints): a load's last step.
-
-        With no device room left for the fingerprints' temporaries, the members keep no
-        fingerprint, and their eviction writes them back (correct, at the cost of D2H).
-        """
-        try:
-            fps: list[int | None] = self._fingerprints(members)
-        except torch.OutOfMemoryError:
-            fps = [None] * len(members)
-        for m, fp in zip(members, fps):
-            m.fp = fp
 
     def _take_host_writes(self, slot: TensorSlot) -> None:
         for m in slot.members:
@@ -576,59 +673,51 @@ class Mover:
                 view.copy_(p.clone())  # another view of the same storage: may overlap
             else:
                 view.copy_(p)
+            if slot.arena is not None:
+                slot.arena.host_sums = None
 
     def _rehome(self, slot: TensorSlot, m: Member, host_value: torch.Tensor) -> None:
-        """Make ``host_value`` (a host tensor) the only member's new host copy (pageable)."""
+        """Make ``host_value`` (a host tensor) the only member's new host copy (pageable);
+        the slot leaves its arena."""
         self._account(slot, -1)
+        if slot.arena is not None:
+            slot.arena.remove(slot)
+            slot.arena = None
         flat = host_value.detach().reshape(-1).view(torch.uint8)
         slot.host, slot.pinned, slot.nbytes = flat, False, flat.numel()
         m.dtype, m.shape = host_value.dtype, tuple(host_value.shape)
         m.stride, m.offset = _contiguous_stride(m.shape), 0
         self._account(slot, +1)
 
-    def evict(
-        self, slots: list[TensorSlot], txn: Transaction, changed: list[bool] | None = None
-    ) -> int:
+    def evict(self, slots: list[TensorSlot], txn: Transaction, changed: list[bool]) -> int:
         """Rebind every member of ``slots`` (resident, evictable) to its host copy.
 
-        Members whose bytes changed since they were loaded are written back first; their
-        reference fingerprint is then the written value, so a retry after a rollback does
-        not write twice. When the device has no room left even for the fingerprints
-        (8 bytes a tensor), every member is written back instead. Returns the D2H bytes
-        written. Write-backs are synchronized before this returns when they were
-        asynchronous.
+        Members whose bytes changed while resident are written back first. Returns the
+        D2H bytes written. Write-backs are synchronized before this returns when they were
+        asynchronous. The slots' arenas are no longer loaded whole.
 
         Args:
-            changed: per member (slots' members in order), whether its bytes changed, when
-                the caller compared them itself (layer mode compares on the device); None:
-                compare fingerprints here. A member whose dtype or shape changed is always
-                written back.
+            changed: per member (the slots' members in order), whether its device bytes
+                differ from its host copy (``checks.LoadCheck.changed``, or layer mode's
+                host-side check). A member whose dtype or shape changed is always written
+                back.
         """
         members = [(s, m) for s in slots for m in s.members]
         if not members:
             return 0
         written = 0
-        if changed is not None:
-            now: list[int | None] = [None if c else m.fp for c, (_, m) in zip(changed, members)]
-            known = [not c for c in changed]
-        else:
-            try:
-                now = self._fingerprints([m for _, m in members])
-            except torch.OutOfMemoryError:
-                # no device room for the fingerprints' few bytes: write everything back
-                # (costs D2H copies, needs no device memory), so the eviction still frees it
-                now = [None] * len(members)
-            known = [fp is not None and m.fp == fp for fp, (_, m) in zip(now, members)]
         with torch.inference_mode(False), torch.no_grad():
-            for (slot, m), fp, same in zip(members, now, known):
+            for (slot, m), differs in zip(members, changed):
                 p = m.payload
                 same_layout = p.dtype == m.dtype and tuple(p.shape) == m.shape
-                if same_layout and same:
+                if same_layout and not differs:
                     continue  # unchanged: no copy
                 if same_layout:
                     slot.view(slot.host, m).copy_(
                         p, non_blocking=slot.pinned and not self.platform.blocking_d2h
                     )
+                    if slot.arena is not None:
+                        slot.arena.host_sums = None
                 elif len(slot.members) == 1:
                     self._rehome(slot, m, p.to("cpu"))
                 else:
@@ -638,11 +727,14 @@ class Mover:
                         "backend.disable() before changing aliased weights"
                     )
                 written += _nbytes(p)
-                m.fp = fp
             if written and not self.platform.blocking_d2h and any(s.pinned for s in slots):
                 self.platform.synchronize()
             for slot, m in members:
                 txn.rebind(m.obj, slot.view(slot.host, m))
+        for arena in {id(s.arena): s.arena for s in slots if s.arena is not None}.values():
+            loaded = (arena.device_key, arena.checked)
+            arena.unload()
+            txn.on_rollback(lambda a=arena, v=loaded: _restore(a, v))
         self.stats.d2h_bytes += written
         return written
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.arena import device_bytes
 from ..core.discovery import diffusers_role
 from ..models.files import ModelError, folder_or_hub_id, safetensors_tensors, weight_files
 
@@ -266,6 +267,18 @@ def _module_bytes(module: nn.Module, only_nonpersistent: bool = False) -> int:
     return total
 
 
+def _arena_overhead(module: nn.Module) -> int:
+    """Device bytes beyond ``module``'s tensors that loading it from its arenas allocates
+    (alignment padding, the write check's reference sums: ``core.arena.device_bytes``)."""
+    seen: set[int] = set()
+    sizes = []
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            sizes.append(_tensor_bytes(t))
+    return device_bytes(sizes) - sum(sizes)
+
+
 def _tied_extra(module: nn.Module) -> int:
     """Bytes of each Parameter times (its number of holding modules - 1)."""
     holders: dict[int, list[Any]] = {}
@@ -333,7 +346,9 @@ def discover_block_modules(module: nn.Module, override: Any = None) -> list[nn.M
 
 def _blocks(module: nn.Module, override: Any = None) -> tuple[int, ...]:
     """Bytes of each block of ``module`` (layer mode), in execution order; () if none."""
-    return tuple(_module_bytes(block) for block in discover_block_modules(module, override))
+    return tuple(
+        _module_bytes(block) + _arena_overhead(block) for block in discover_block_modules(module, override)
+    )
 
 
 _FALLBACK_CONTAINERS = (
@@ -449,6 +464,7 @@ def load_plan_model(
         else:
             nbytes = _module_bytes(module)
             source = "config (weightless)" if weightless else "config (no weight files)"
+        nbytes += _arena_overhead(module)  # as an offloaded component's arenas allocate it
         components[name] = ComponentSize(
             name=name, role=role, class_name=class_name, nbytes=nbytes,
             params=_param_count(module),

@@ -340,6 +340,15 @@ class OffloadBackendBase:
                 w.evict()
         for w in weights.values():
             if not self._at_rest_on_host(w):
+                if w.selected and any(
+                    s.evictable and s.arena is not None and s.arena.device_key is None and s.on_device(device)
+                    for s in w.slots
+                ):
+                    # on the device in allocations of its own (placed there before enable):
+                    # moved into its arenas' allocations, one H2D copy each, so what is
+                    # resident is what the budget and the write checks account for
+                    w.resident = True
+                    w.evict()
                 w.load()
         self.platform.synchronize()
 
@@ -378,7 +387,7 @@ class OffloadBackendBase:
         txn = Transaction()
         handles: list[Any] = []
         try:
-            table.adopt(named, txn)
+            table.adopt(named, txn, pack=True)
             for w in weights.values():
                 w._register_modules()
             self._establish(weights, txn)

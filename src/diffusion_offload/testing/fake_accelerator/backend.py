@@ -11,6 +11,7 @@ import torch
 
 from .counters import _counters, reset_peak, stats
 from .data import _data_get, _data_set
+from .device import storage_key
 from .host_races import _ensure_host_mode, _host_repr, _host_tolist, _unpin
 from .kernels import (
     _arange,
@@ -127,6 +128,11 @@ class _BackendModule:
     def host_unregister(ptr: int) -> None:
         """Simulated ``cudaHostUnregister``."""
         _unpin(ptr)
+
+    @staticmethod
+    def storage_key(t: torch.Tensor) -> int:
+        """The identity of the allocation a ``fakegpu`` tensor views (``storage_key``)."""
+        return storage_key(t)
 
 
 def install() -> torch.device:

@@ -80,6 +80,9 @@ def _rebind_across(self: torch.Tensor, new: torch.Tensor) -> None:
     level (``torch._C._swap_tensor_impl``), which, unlike ``torch.utils.swap_tensors``,
     does not refuse shared tensors. References taken earlier (an autograd graph's saved
     tensors) keep the old payload, as ``set_data`` leaves them the old storage on CUDA.
+    ``self`` gets a version counter of its own, not ``new``'s: ``set_data`` keeps the
+    target's counter, so two Parameters rebound to views of one buffer do not bump each
+    other's ``_version``.
     """
     requires_grad = self.requires_grad
     is_param = isinstance(self, torch.nn.Parameter)
@@ -91,7 +94,7 @@ def _rebind_across(self: torch.Tensor, new: torch.Tensor) -> None:
     else:
         host_class = type(self)
     with torch.inference_mode(False), torch.no_grad():
-        alias = new.detach()
+        alias = _fresh_alias(new)
     torch._C._swap_tensor_impl(self, alias)
     if isinstance(new, FakeDeviceTensor):
         self.__class__ = _device_class(host_class)
@@ -105,3 +108,10 @@ def _rebind_across(self: torch.Tensor, new: torch.Tensor) -> None:
     self.__dict__.update(attrs)
     if self.requires_grad != requires_grad:
         self.requires_grad_(requires_grad)
+
+
+def _fresh_alias(new: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``new``'s memory with a version counter of its own: ``.data``
+    (``detach`` would share ``new``'s counter, and with it the counter of every view of
+    ``new``'s base)."""
+    return _data_get(new)

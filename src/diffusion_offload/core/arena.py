@@ -1,0 +1,205 @@
+"""Host arenas: many host copies in one buffer, loaded with one H2D copy, checked with two
+reductions.
+
+An ``Arena`` is one flat ``uint8`` host buffer (pinned when allowed) that holds the host
+copies of several slots (``transfer.TensorSlot``) back to back, each at an offset aligned
+to ``ALIGN`` bytes. A component's (module mode) or a streamed block's (layer mode) slots
+are packed into arenas of at most ``ARENA_BYTES`` each when the backend is enabled
+(``transfer.Mover.pack``), so a load is one H2D copy per arena and its device tensors are
+views of one allocation, freed together, instead of one copy and one allocation per
+tensor. A slot larger than ``ARENA_BYTES`` gets an arena of its own.
+
+The write check of a loaded arena reads its device bytes as a grid of 64-bit words,
+``rows x cols`` (``grid``), and sums each row and each column (``sums``, modulo 2**64):
+two reductions, whatever the number of tensors in it, and one copy of the sums (about
+``16 * sqrt(bytes / 8)`` bytes) back to the host. A change of one word changes a row
+sum and a column sum; any change confined to one row or one column of the grid, and any
+swap of two different words within one, changes at least one sum (a row's words are
+contiguous bytes: a swap inside one tensor's row is one of these). A change is missed only
+when every row's and every column's differences vanish modulo 2**64 (a rectangle of
+``+d, -d, -d, +d``, for example). The sums are exact integer arithmetic, so host and device
+compute equal values.
+
+Sources: CUDA's caching allocator hands out 512-byte aligned blocks and vectorized kernels
+want 16-byte aligned operands (PyTorch's CUDA loops vectorize up to 16 bytes), hence
+``ALIGN``; ``ARENA_BYTES`` is issue 18's chunk bound (pinning one buffer of 12 GiB or more
+fails on some drivers: vllm-omni #2748).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["ALIGN", "ARENA_BYTES", "Arena", "device_bytes", "grid", "layout", "sums"]
+
+ALIGN = 16
+"""Byte alignment of every host copy inside an arena (and of the arena's end)."""
+
+ARENA_BYTES = 1 << 30
+"""Largest arena, in bytes (1 GiB), unless one slot alone is larger."""
+
+
+def _round_up(n: int, to: int) -> int:
+    return n + (-n) % to
+
+
+def layout(sizes: list[int], limit: int = ARENA_BYTES) -> list[tuple[list[int], list[int], int]]:
+    """Split slots of ``sizes`` bytes (in order) into arenas of at most ``limit`` bytes.
+
+    Returns one ``(indices, offsets, nbytes)`` per arena: the slots' indices into
+    ``sizes``, their byte offsets (multiples of ``ALIGN``) and the arena's size (a
+    multiple of ``ALIGN``). Zero-byte slots are left out (nothing to copy). Order is kept,
+    so tensors used together stay together.
+    """
+    out: list[tuple[list[int], list[int], int]] = []
+    idx: list[int] = []
+    offs: list[int] = []
+    end = 0
+    for i, n in enumerate(sizes):
+        if n <= 0:
+            continue
+        start = _round_up(end, ALIGN)
+        if idx and start + n > limit:
+            out.append((idx, offs, _round_up(end, ALIGN)))
+            idx, offs, start = [], [], 0
+        idx.append(i)
+        offs.append(start)
+        end = start + n
+    if idx:
+        out.append((idx, offs, _round_up(end, ALIGN)))
+    return out
+
+
+def device_bytes(sizes: list[int], limit: int = ARENA_BYTES) -> int:
+    """Device bytes that loading the arenas of host copies of ``sizes`` bytes allocates:
+    each arena, its alignment padding included; what the planner predicts for an
+    offloaded component."""
+    return sum(n for _, _, n in layout(sizes, limit))
+
+
+def grid(nbytes: int) -> tuple[int, int, int]:
+    """The ``(rows, cols, tail)`` grid of 64-bit words that ``sums`` reads an arena of
+    ``nbytes`` (a multiple of 8) as: ``rows * cols + tail`` words, ``cols`` a divisor of
+    the word count within a factor 2 below its square root when there is one (then
+    ``tail == 0``), else ``isqrt`` of it with the leftover words (fewer than ``cols``) as
+    ``tail``: about ``2 * sqrt(words)`` sums either way."""
+    n = nbytes // 8
+    if n == 0:
+        return 0, 0, 0
+    root = math.isqrt(n)
+    for cols in range(root, max(1, root // 2) - 1, -1):
+        if n % cols == 0:
+            return n // cols, cols, 0
+    return n // root, root, n - (n // root) * root
+
+
+def sums(buf: torch.Tensor, shape: tuple[int, int, int], out: torch.Tensor) -> None:
+    """Write the row sums, column sums and tail words of ``buf`` (a flat ``uint8`` tensor,
+    host or device) read as the ``shape`` grid (``grid``) into ``out`` (``int64``,
+    ``rows + cols + tail`` elements, same device): two reductions and, with a tail, one
+    copy; modulo 2**64, no full-size temporary, no host synchronisation."""
+    rows, cols, tail = shape
+    words = buf.view(torch.int64)
+    body = words[: rows * cols].view(rows, cols)
+    torch.sum(body, dim=1, out=out[:rows])
+    torch.sum(body, dim=0, out=out[rows : rows + cols])
+    if tail:
+        out[rows + cols :].copy_(words[rows * cols :])
+
+
+class Arena:
+    """One host buffer holding several slots' host copies, and what its loads need.
+
+    A load copies ``host`` into one device allocation of ``nbytes``; the write check
+    keeps nothing on the device: its reference sums live on the host (``loaded_sums``,
+    copied back asynchronously right after the load; ``host_sums``, computed on the host).
+
+    Attributes:
+        host: the flat ``uint8`` host buffer (``nbytes``), pinned when ``pinned``; the
+            slots' ``host`` are views of it.
+        slots: the slots whose host copies live in it (``transfer.TensorSlot``), in
+            offset order; a slot whose host copy had to move elsewhere (a new dtype or
+            shape) leaves, its bytes stay as padding.
+        offsets: ``id(slot)`` -> the slot's byte offset in ``host``.
+        nbytes: the buffer's size in bytes (a multiple of ``ALIGN``).
+        shape: the ``grid`` the write check reads it as.
+        device_key: while the arena is loaded whole, ``Platform.storage_key`` of its
+            device allocation (not a reference: the allocation lives as long as the
+            tensors that view it); None otherwise.
+        checked: ``loaded_sums`` holds the sums of this load's device bytes (``checks.record``).
+        loaded_sums: host ``int64`` buffer (pinned when possible) the device's sums are
+            copied into, without a host wait, after each load.
+        host_sums: the sums of ``host`` computed on the host, or None until needed (and
+            after a write into ``host``).
+    """
+
+    __slots__ = (
+        "host", "slots", "offsets", "pinned", "nbytes", "shape", "device_key", "checked",
+        "loaded_sums", "host_sums",
+    )
+
+    def __init__(self, host: torch.Tensor, pinned: bool) -> None:
+        self.host = host
+        self.pinned = pinned
+        self.nbytes = host.numel()
+        self.slots: list[Any] = []
+        self.offsets: dict[int, int] = {}
+        self.shape = grid(self.nbytes)
+        self.device_key: int | None = None
+        self.checked = False
+        self.loaded_sums: torch.Tensor | None = None
+        self.host_sums: torch.Tensor | None = None
+
+    @property
+    def sum_words(self) -> int:
+        """Elements ``sums`` writes: rows + cols + tail."""
+        return sum(self.shape)
+
+    def add(self, slot: Any, offset: int) -> torch.Tensor:
+        """Place ``slot`` at ``offset``; return its span of ``host``."""
+        self.slots.append(slot)
+        self.offsets[id(slot)] = offset
+        return self.host[offset : offset + slot.nbytes]
+
+    def remove(self, slot: Any) -> None:
+        """``slot``'s host copy left the arena (its bytes stay, as padding)."""
+        self.slots = [s for s in self.slots if s is not slot]
+        self.offsets.pop(id(slot), None)
+
+    def unload(self) -> None:
+        """The arena is no longer loaded whole."""
+        self.device_key, self.checked = None, False
+
+    def covers(self, payload: torch.Tensor, key: int, slot: Any, member: Any) -> bool:
+        """Whether ``payload`` (the device tensor of ``member`` of ``slot``; ``key``: its
+        ``Platform.storage_key``) is still the member's view of this arena's device
+        allocation: the arena's check then covers its bytes. Host-side only."""
+        if self.device_key is None or key != self.device_key or id(slot) not in self.offsets:
+            return False
+        return (
+            payload.dtype == member.dtype
+            and tuple(payload.shape) == member.shape
+            and payload.stride() == member.stride
+            and payload.storage_offset() * payload.element_size()
+            == self.offsets[id(slot)] + member.offset * payload.element_size()
+        )
+
+    def allocation(self, payload: torch.Tensor) -> torch.Tensor:
+        """The whole device allocation (``nbytes``, ``uint8``) that ``payload``, a covered
+        member's tensor, views."""
+        first = torch.as_strided(payload.detach(), (1,), (1,), 0).view(torch.uint8)
+        return torch.as_strided(first, (self.nbytes,), (1,), 0)
+
+    def reference_on_host(self) -> torch.Tensor:
+        """``host_sums``, computed on the host now if not known (a pass over the arena)."""
+        if self.host_sums is None:
+            out = torch.empty(self.sum_words, dtype=torch.int64)
+            sums(self.host, self.shape, out)
+            self.host_sums = out
+        return self.host_sums
+
+    def __repr__(self) -> str:
+        return f"Arena({len(self.slots)} slot(s), {self.nbytes} bytes, pinned={self.pinned})"

@@ -1,0 +1,149 @@
+"""Device write checks: which resident members differ from their host copies when they
+leave the device.
+
+Right after an arena is loaded whole, ``record`` computes the row and column sums of its
+device bytes (``arena.sums``: two reductions, however many tensors it holds) and copies
+them to a pinned host buffer without waiting (``Arena.loaded_sums``): nothing is kept on
+the device, so device memory is exactly the tensors' arenas. When the members leave,
+``changed`` computes the same sums again and reads them back: one copy, one host wait,
+compared on the host. An arena never recorded (layer mode's carried block) is compared
+with the sums of its host copy instead (``Arena.host_sums``, computed on the host once
+and again after a write into it).
+
+Everything else is compared with its host copy (``compare_with_host``): the device
+fingerprints of the payloads (``writes.fingerprints``, 8 bytes each read back) against
+the same fingerprints of their host copies, computed on the host (exact integer
+arithmetic: equal bytes give equal values on any device). That is the path of members of
+an arena whose sums differ, of members no longer covered by their arena (their ``.data``
+was reassigned, as diffusers' layerwise casting does on every forward), of slots outside
+any arena, and of arenas whose sums could not be recorded. Every write path that changes
+the bytes is seen: in-place ops, ``.data`` in-place ops, ``.data`` reassignment to new
+bytes; equal bytes are never written back (README, write detection).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .arena import Arena, sums
+from .platform import Platform
+from .transfer import Member, TensorSlot, TransferStats
+from .writes import fingerprints
+
+__all__ = ["changed", "compare_with_host", "record"]
+
+
+def record(stats: TransferStats, arena: Arena, payload: torch.Tensor, platform: Platform) -> None:
+    """Copy the sums of ``arena``'s device bytes (``payload``: any member tensor viewing
+    its allocation) to ``Arena.loaded_sums`` without waiting: two reductions and one
+    asynchronous device->host copy on the current stream (the comparison that reads them
+    later runs after it); the arena is then ``checked``.
+
+    Raises:
+        torch.OutOfMemoryError: no device room for the sums (about 16 * sqrt(words) bytes).
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        if arena.loaded_sums is None:
+            buf = torch.empty(arena.sum_words, dtype=torch.int64)
+            if platform.supports_pinning:
+                try:
+                    buf = buf.pin_memory()
+                except RuntimeError:
+                    pass  # pageable: the copy is then synchronous, still correct
+            arena.loaded_sums = buf
+        now = torch.empty(arena.sum_words, dtype=torch.int64, device=platform.device)
+        sums(arena.allocation(payload), arena.shape, now)
+        arena.loaded_sums.copy_(now, non_blocking=True)
+    arena.checked = True
+    stats.fingerprints += 1
+    stats.fingerprint_bytes += arena.nbytes
+    stats.check_d2h_bytes += 8 * arena.sum_words
+
+
+def compare_with_host(stats: TransferStats, pairs: list[tuple[TensorSlot, Member]]) -> list[bool]:
+    """Per ``(slot, member)``, whether the member's device payload differs from its host
+    copy: fingerprints of both (the device's read back in one copy of 8 bytes a member,
+    the host's computed on the host). A member whose dtype or shape changed differs.
+
+    Raises:
+        torch.OutOfMemoryError: no device room for the fingerprints' temporaries.
+    """
+    if not pairs:
+        return []
+    same_layout = [m.payload.dtype == m.dtype and tuple(m.payload.shape) == m.shape for _, m in pairs]
+    comparable = [p for p, ok in zip(pairs, same_layout) if ok]
+    device: list[int] = []
+    host: list[int] = []
+    if comparable:
+        with torch.inference_mode(False), torch.no_grad():
+            device = fingerprints([m.payload for _, m in comparable]).tolist()
+            host = fingerprints([s.view(s.host, m) for s, m in comparable]).tolist()
+    stats.fingerprints += len(comparable)
+    stats.fingerprint_bytes += sum(m.nbytes for _, m in comparable)
+    stats.check_d2h_bytes += 8 * len(comparable)
+    differs = iter([d != h for d, h in zip(device, host)])
+    return [next(differs) if ok else True for ok in same_layout]
+
+
+def changed(
+    stats: TransferStats, pairs: list[tuple[TensorSlot, Member]], platform: Platform
+) -> list[bool]:
+    """Per ``(slot, member)`` (resident, about to leave), whether its device bytes differ
+    from its host copy.
+
+    The arenas loaded whole whose members are all still covered (``Arena.covers``) are
+    checked by their sums: two reductions each, one copy of all of them to the host (the
+    one host wait), compared there with ``Arena.loaded_sums`` (recorded at the load) or,
+    for an arena not recorded, ``Arena.host_sums``. The members of an arena whose sums
+    differ, and every member not covered that way, are compared with their host copies
+    (``compare_with_host``). A slot with a member whose ``.data`` was reassigned is
+    marked (``TensorSlot.rebinds``): its arena loads tensor by tensor from then on.
+
+    Raises:
+        torch.OutOfMemoryError: no device room for the comparison's temporaries.
+    """
+    arenas: dict[int, Arena] = {}
+    whole: dict[int, bool] = {}
+    payload_of_arena: dict[int, torch.Tensor] = {}
+    for slot, m in pairs:
+        a = slot.arena
+        if a is None or a.device_key is None:
+            continue
+        p = m.payload
+        if a.covers(p, platform.storage_key(p), slot, m):
+            arenas[id(a)] = a
+            whole.setdefault(id(a), True)
+            payload_of_arena.setdefault(id(a), p)
+        else:
+            whole[id(a)] = False
+            slot.rebinds = True
+    live = [a for key, a in arenas.items() if whole[key]]
+    live_ids = {id(a) for a in live}
+    suspect = [k for k, (slot, _) in enumerate(pairs) if id(slot.arena) not in live_ids]
+    if live:
+        with torch.inference_mode(False), torch.no_grad():
+            now = torch.empty(sum(a.sum_words for a in live), dtype=torch.int64, device=platform.device)
+            start = 0
+            for a in live:
+                sums(a.allocation(payload_of_arena[id(a)]), a.shape, now[start : start + a.sum_words])
+                start += a.sum_words
+            now_host = now.cpu()  # the one host wait (after any recorded copy on this stream)
+            stats.fingerprints += len(live)
+            stats.fingerprint_bytes += sum(a.nbytes for a in live)
+            stats.check_d2h_bytes += 8 * now.numel()
+            bad: set[int] = set()
+            start = 0
+            for a in live:
+                part = now_host[start : start + a.sum_words]
+                start += a.sum_words
+                ref = a.loaded_sums if a.checked and a.loaded_sums is not None else a.reference_on_host()
+                if torch.equal(part, ref):
+                    continue
+                bad.add(id(a))
+                # the host copy may have been written while on the host: what the device
+                # holds is compared tensor by tensor below, then remembered as the reference
+                a.host_sums = None
+            suspect += [k for k, (slot, _) in enumerate(pairs) if id(slot.arena) in bad]
+    order = sorted(suspect)
+    verdict = dict(zip(order, compare_with_host(stats, [pairs[k] for k in order])))
+    return [verdict.get(k, False) for k in range(len(pairs))]
