@@ -164,8 +164,9 @@ def footprint(
         return _layer_footprint(info, config, sizes, roles, dtype_bytes, pin_supported, layer_blocks)
     moving = {n for n, r in roles.items() if config.offloads_role(r)}
     resident = sum(s for n, s in sizes.items() if n not in moving)
-    groups = [(n,) for n in moving if roles[n] == "dit"]
-    encoders = tuple(n for n in moving if roles[n] != "dit")
+    adapters = tuple(n for n in moving if roles[n] == "adapter")  # they join each DiT's group
+    groups = [(n, *adapters) for n in moving if roles[n] == "dit"]
+    encoders = tuple(n for n in moving if roles[n] not in ("dit", "adapter"))
     if encoders:
         groups.append(encoders)
     largest: tuple[str, ...] = max(groups, key=lambda g: sum(sizes[n] for n in g), default=())
