@@ -200,8 +200,9 @@ class Omni:
         plan_shape: with ``"auto"``: the request to plan for, keys ``height``, ``width``
             (pixels), ``num_frames``, ``num_inference_steps``; a missing key takes the
             model's default.
-        device_memory_budget: module mode: bytes of weights that may stay resident,
-            ``"auto"``, or None (the strict rule). See ``diffusion_offload.core.policy``.
+        device_memory_budget: bytes of weights that may stay resident, ``"auto"``, or
+            None (module mode: the strict rule; layer mode: trunks and two blocks). See
+            ``diffusion_offload.core.policy`` and ``LayerwiseOffloadBackend``.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -243,11 +244,6 @@ class Omni:
         self.config = None if auto else parse_diffusion_offload_config(
             diffusion_offload_config, enable_cpu_offload=enable_cpu_offload
         )
-        if device_memory_budget is not None and self.config is not None and self.config.mode == "layer":
-            raise ValueError(
-                "device_memory_budget applies to mode='module'; layer mode keeps only its "
-                "trunks and two blocks on the device (use layer_options.resident_layers to keep more)"
-            )
         dtype_choice = parse_dtype(dtype)
         self.device = pick_device(device)
         self.platform: Platform = platform_for(self.device)
@@ -287,6 +283,7 @@ class Omni:
                     layer_blocks=layer_blocks,
                     component_roles=self.component_roles,
                     max_pinned_bytes=max_pinned_bytes,
+                    device_memory_budget=device_memory_budget,
                 )
             else:
                 self.backend = ModelLevelOffloadBackend(
@@ -333,7 +330,7 @@ class Omni:
             self.info.path, device_kind=self.device.type,
             free_bytes=self.platform.memory_stats().free_bytes, dtype=self.dtype,
             variant=self.variant, component_roles=self.component_roles, shape=shape,
-            modes=("module", "layer") if budget else ("module",), layer_blocks=layer_blocks,
+            modes=("module", "layer"), layer_blocks=layer_blocks,
             budget=budget,
         )
         self.plan_choice = choice.row
