@@ -141,7 +141,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     Raises:
         CliError: ``--replicas``/``--autoscale``/``--ray-address``/``--ingress-replicas``
-            without ``--ray``; ``--replicas`` with ``--autoscale``; ``--device cuda:N``
+            without ``--ray``; a connection flag (``--max-connections``, ``--timeout-*``)
+            with ``--ray``; ``--replicas`` with ``--autoscale``; ``--device cuda:N``
             with ``--ray`` (each replica gets its own GPU as ``cuda``).
     """
     ray_flags = [
@@ -154,6 +155,14 @@ def check_serve_args(args: argparse.Namespace) -> None:
         )
         if value is not None
     ]
+    if getattr(args, "ray", False):
+        for flag in ("--max-connections", "--timeout-keep-alive", "--timeout-headers", "--timeout-body"):
+            value = getattr(args, flag[2:].replace("-", "_"), None)
+            if value is not None:
+                raise CliError(
+                    f"{flag} {value:g} applies to plain serve only: under --ray, Ray Serve's "
+                    "HTTP proxy holds the connections; drop the flag or --ray"
+                )
     if not getattr(args, "ray", False):
         if ray_flags:
             flag, value = ray_flags[0]
@@ -436,7 +445,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=_int("--max-body-bytes", 1), default=1048576,
                      help="largest request body in bytes, else 413 (default: 1048576)")
     srv.add_argument("--shutdown-grace", type=_float(0.0), default=30.0,
-                     help="seconds the running job may finish after SIGINT/SIGTERM (default: 30)")
+                     help="seconds the running job may finish after SIGINT/SIGTERM; then it is "
+                          "marked failed and serve exits within a second; a second signal "
+                          "exits at once (default: 30)")
+    conn = srv.add_argument_group(
+        "connections", "Slow and idle clients are cut off; open connections are bounded.")
+    conn.add_argument("--max-connections", type=_int("--max-connections", 1), metavar="N",
+                      help="most open client connections; beyond it the connection waiting "
+                           "longest for a request is closed, or, when all have a request in "
+                           "flight, the new one gets 503 (default: 1000, or ulimit -n minus 64 "
+                           "when that is less)")
+    conn.add_argument("--timeout-keep-alive", type=_float(0.001), metavar="SECONDS",
+                      help="close a connection idle this long between requests (default: 5)")
+    conn.add_argument("--timeout-headers", type=_float(0.001), metavar="SECONDS",
+                      help="the request line and headers must arrive within this from the "
+                           "connection opening or the previous response, else 408 and close "
+                           "(default: 10)")
+    conn.add_argument("--timeout-body", type=_float(0.001), metavar="SECONDS",
+                      help="the request body must arrive within this after its headers, else "
+                           "408 and close (default: 30)")
     srv.add_argument("--job-ttl", type=_float(0.0), default=3600.0,
                      help="seconds a finished video job is kept before it expires (default: 3600)")
     srv.add_argument("--max-stored-jobs", type=_int("--max-stored-jobs", 1), default=100,

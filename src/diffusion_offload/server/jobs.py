@@ -401,12 +401,25 @@ class JobManager:
         for job in late:
             self._finish_outside_lock(job)
 
-    def shutdown(self, grace: float, settle: float = 5.0) -> bool:
+    def abandon_running(self, message: str) -> list[Job]:
+        """Mark every running job failed now (``server_shutdown``, ``message``), as the
+        grace's end would; their late results are dropped. Returns those jobs."""
+        with self._cond:
+            late = [job for job in self._running if job.status == IN_PROGRESS]
+            for job in late:
+                self._fail(job, "server_shutdown", message)
+            self._cond.notify_all()
+        for job in late:
+            self._finish_outside_lock(job)
+        return late
+
+    def shutdown(self, grace: float, settle: float = 1.0) -> bool:
         """Shut down: ``begin_shutdown(grace)``, then wait for the worker.
 
         Waits for the running jobs up to the grace deadline, then up to ``settle`` more
         seconds for the workers to return from jobs marked failed (runners stop
-        cooperatively at their next step).
+        cooperatively at their next step; one still inside a long native call is left
+        behind).
 
         Returns:
             True if the workers have stopped (no generation still running).
