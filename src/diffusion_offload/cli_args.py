@@ -21,6 +21,7 @@ __all__ = [
     "EXIT_USAGE",
     "CliError",
     "build_parser",
+    "check_lora_args",
     "check_serve_args",
     "parse_config_args",
     "read_config_arg",
@@ -120,6 +121,45 @@ def _budget_type(text: str) -> int | str:
 
 
 _budget_type.__name__ = "size or auto"
+
+
+def _lora_type(text: str) -> tuple[str, float]:
+    """``--lora PATH[:SCALE]``: a LoRA file, folder or hub id and its scale (default 1)."""
+    path, sep, scale_text = text.rpartition(":")
+    scale = 1.0
+    if sep:
+        try:
+            scale = float(scale_text)
+        except ValueError:  # a colon inside the path itself
+            path = text
+        else:
+            if scale != scale or scale in (float("inf"), float("-inf")):
+                raise argparse.ArgumentTypeError(f"the scale of {text!r} must be a finite number")
+    else:
+        path = text
+    if not path.strip():
+        raise argparse.ArgumentTypeError(f"must be PATH[:SCALE], e.g. style.safetensors:0.8, got {text!r}")
+    looks_local = path.endswith(".safetensors") or path.startswith((".", "/", "~"))
+    if looks_local and not Path(path).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{path!r} does not exist (give a LoRA file, folder or hub id)")
+    return str(Path(path).expanduser()) if looks_local else path, scale
+
+
+_lora_type.__name__ = "PATH[:SCALE]"
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """``--lora`` needs peft (diffusers' LoRA loading uses it).
+
+    Raises:
+        CliError: ``--lora`` given and peft not installed (names the ``lora`` extra).
+    """
+    if getattr(args, "lora", None):
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise CliError(f"--lora {args.lora[0][0]} needs peft, which is not installed; install "
+                           "it with pip install 'diffusion_offload[lora]'")
 
 
 def _autoscale_type(text: str) -> tuple[int, int]:
@@ -257,7 +297,8 @@ POST /v1/images/generations (application/json):
   size                 "WIDTHxHEIGHT" or "auto" (default: the model's; 32x32 for a
                        make-tiny model); width*height <= --max-pixels, each side a
                        multiple of the model's size multiple (VAE scale x patch size)
-  response_format      "b64_json" (the only one; default)
+  response_format      "b64_json" (default), or "url": a link to GET
+                       /v1/images/{id}/{i}.png here (same key), kept --job-ttl s
   negative_prompt      text (default none)
   num_inference_steps  1 to --max-steps (default: the model's; 2 for a make-tiny model)
   guidance_scale       0-1000 (default: the pipeline's)
@@ -302,6 +343,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reserve of max(10%%, 1 GiB) for activations; the next stage is "
                         "prefetched when it fits (default: the strict rule, only the running "
                         "group on the device)")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", type=_lora_type, action="append",
+                   help="a LoRA (.safetensors file, folder or hub id) loaded with diffusers' "
+                        "load_lora_weights after offload is enabled, at SCALE (default 1); "
+                        "repeat for several, all active together (needs peft: pip install "
+                        "'diffusion_offload[lora]'; default: none)")
 
 
 _DEVICE_KINDS = ("cuda", "xpu", "npu", "mps", "fakegpu", "cpu")  # planner.memory.DEVICE_KINDS
@@ -402,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output width (default: the model's; 32 for a make-tiny model)")
     gen.add_argument("--num-frames", type=_int("--num-frames", 1), metavar="N",
                      help="frames of a video (default: the model's; 5 for a make-tiny model)")
+    gen.add_argument("--guidance-scale", type=_float(0.0), metavar="SCALE",
+                     help="classifier-free guidance scale (default: the pipeline's)")
     gen.add_argument("--fps", type=_int("--fps", 1, 240), metavar="N",
                      help="frames per second of the written video (default: 16)")
     gen.add_argument("--report", metavar="FILE.json",

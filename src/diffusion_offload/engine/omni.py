@@ -26,7 +26,7 @@ from ..models.files import ModelInfo, inspect_model, resolve_model
 from .params import GenerationOutput, SamplingParams
 from .trace import TraceRecorder
 
-__all__ = ["Omni", "build_omni", "parse_dtype", "pick_device"]
+__all__ = ["Omni", "build_omni", "check_peft", "parse_dtype", "pick_device"]
 
 logger = logging.getLogger("diffusion_offload")
 
@@ -202,6 +202,9 @@ class Omni:
             model's default.
         device_memory_budget: module mode: bytes of weights that may stay resident,
             ``"auto"``, or None (the strict rule). See ``diffusion_offload.core.policy``.
+        loras: ``(path or hub id, scale)`` pairs, loaded after offload is enabled with
+            diffusers' ``load_lora_weights`` (adapters ``lora_0``, ``lora_1``, ...) and
+            activated together with ``set_adapters`` at their scales; needs peft.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -215,6 +218,8 @@ class Omni:
         FitError: the device cannot hold the config's resting footprint; with ``"auto"``:
             no candidate's predicted peak fits (the message names the smallest need).
         NotImplementedError: ``layer_options`` asks for ``weight_transfer="allgather"``.
+        ImportError: ``loras`` without peft installed (names the ``lora`` extra).
+        ValueError: a LoRA that cannot be loaded (names it) or a pipeline without LoRA support.
     """
 
     def __init__(
@@ -233,6 +238,7 @@ class Omni:
         layer_blocks: Mapping[str, Sequence[str]] | None = None,
         plan_shape: Mapping[str, int | None] | None = None,
         device_memory_budget: int | str | None = None,
+        loras: Sequence[tuple[str, float]] = (),
     ) -> None:
         start = time.perf_counter()
         self._lock = threading.RLock()
@@ -299,6 +305,7 @@ class Omni:
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:
             self.pipeline.to(self.device)
+        self._load_loras(loras)  # while offloaded: picked up at the next activation
         from ..core.discovery import discover_components
 
         roles = {c.name: (c.module, c.role) for c in discover_components(self.pipeline, self.component_roles)}
@@ -318,6 +325,26 @@ class Omni:
         self.load_seconds = time.perf_counter() - start
 
     # ------------------------------------------------------------------ helpers
+
+    def _load_loras(self, loras: Sequence[tuple[str, float]]) -> None:
+        """Load each ``(path, scale)`` with diffusers' ``load_lora_weights`` (adapters
+        ``lora_0``, ``lora_1``, ...) and activate them all with their scales."""
+        if not loras:
+            return
+        cls = type(self.pipeline).__name__
+        if not hasattr(self.pipeline, "load_lora_weights"):
+            raise ValueError(f"lora: {cls} takes no LoRA weights (it has no load_lora_weights)")
+        check_peft()
+        names = []
+        for i, (path, _scale) in enumerate(loras):
+            name = f"lora_{i}"
+            try:
+                self.pipeline.load_lora_weights(path, adapter_name=name)
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                message = " ".join(str(exc).split())
+                raise ValueError(f"lora {path!r} cannot be loaded into {cls}: {message}") from None
+            names.append(name)
+        self.pipeline.set_adapters(names, adapter_weights=[float(scale) for _, scale in loras])
 
     def _auto_config(self, shape: Mapping[str, int | None] | None,
                      layer_blocks: Mapping[str, Sequence[str]] | None,
@@ -505,6 +532,16 @@ class Omni:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def check_peft() -> None:
+    """Raise ``ImportError`` naming the ``lora`` extra when peft (which diffusers' LoRA
+    loading needs) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ImportError("loading a LoRA needs peft, which is not installed; install it with "
+                          "pip install 'diffusion_offload[lora]'")
 
 
 def build_omni(model: str | Path, config: Any, *, variant: str | None = None,

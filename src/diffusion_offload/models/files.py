@@ -17,7 +17,8 @@ from pathlib import Path
 import diffusers
 
 __all__ = [
-    "ModelError", "ModelInfo", "folder_or_hub_id", "inspect_model", "resolve_model",
+    "ModelError", "ModelInfo", "check_model_index", "folder_or_hub_id", "inspect_model",
+    "resolve_model",
     "safetensors_numels", "safetensors_tensors", "weight_files",
 ]
 
@@ -221,6 +222,30 @@ def safetensors_numels(files: list[Path]) -> dict[str, int]:
     return out
 
 
+def check_model_index(index: Mapping[str, Any], index_file: Path) -> None:
+    """Every component entry of ``model_index.json``: a plain folder name (nothing is read
+    outside the model folder) and ``[library, class]`` as two strings (or two nulls: an
+    absent optional component).
+
+    Raises:
+        ModelError: naming the file, the entry and what is allowed.
+    """
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list):
+            continue
+        if (not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name
+                or Path(name).is_absolute()):
+            raise ModelError(
+                f"{str(index_file)!r}: component {name!r} is not a folder name of the model "
+                "(no '/', '\\' or '..'); nothing outside the model folder is read"
+            )
+        if len(value) != 2 or not (all(isinstance(v, str) for v in value) or value == [None, None]):
+            raise ModelError(
+                f"{str(index_file)!r}: component {name!r} must be [library, class] as two "
+                f"strings, e.g. [\"diffusers\", \"AutoencoderKLWan\"], got {json.dumps(value)}"
+            )
+
+
 def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
     """Read ``model_index.json`` and the safetensors headers under ``path``.
 
@@ -240,6 +265,7 @@ def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
         class_name = spec["_class_name"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ModelError(f"{str(index)!r} is not a valid model_index.json ({exc})") from None
+    check_model_index(spec, index)
     cls = getattr(diffusers, str(class_name), None)
     if cls is None or not hasattr(cls, "__call__") or not isinstance(cls, type):
         raise ModelError(f"pipeline class {class_name!r} is not a diffusers pipeline")

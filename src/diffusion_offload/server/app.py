@@ -7,11 +7,13 @@ Endpoints (OpenAI's shapes; every error is ``{"error": {"message", "type", "para
   no key is set, also gets the list of replicas).
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model, its id as given on the
   command line.
-- ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs.
+- ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs, or
+  with ``response_format="url"`` ``data: [{url}]``, served by ``GET
+  /v1/images/{id}/{index}.png`` (kept like a video job: ``--job-ttl``, ``--max-stored-jobs``).
 - ``POST /v1/videos`` (JSON or multipart form) -> a queued video job; ``GET /v1/videos``,
   ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (the mp4; 409 until
-  completed), ``DELETE /v1/videos/{id}`` (cancel queued / delete finished; 409 while in
-  progress).
+  completed), ``DELETE /v1/videos/{id}`` (cancel queued or running, the latter at its next
+  step; delete finished).
 - ``GET /metrics``: Prometheus text format (see :mod:`.metrics`).
 
 Requests from other web pages are refused with 403 (foreign ``Origin``,
@@ -155,21 +157,25 @@ def serve(args: argparse.Namespace) -> int:
     Settings, offload config, dtype, device and model files (``--variant``, truncated or
     corrupt safetensors) are validated and the address is bound first: a bad one prints
     one line ``diffusion-offload: error: ...`` and returns 2, loading nothing. Then
-    the model loads in the background. SIGINT/SIGTERM stop new work, let the running job
-    finish for up to ``--shutdown-grace`` seconds, then mark it failed; temporary files
-    live in a private folder removed on exit. A model that fails to load in the
+    the model loads in the background; once listening, one line
+    ``serving MODEL at http://HOST:PORT`` goes to stdout. Connections are bounded and slow
+    clients cut off (:mod:`.connections`). SIGINT/SIGTERM stop new work, let the running
+    job finish for up to ``--shutdown-grace`` seconds, then mark it failed and exit within
+    :data:`~.state.SHUTDOWN_SETTLE` more seconds; a second signal marks it failed and exits
+    at once (status 130). Temporary files live in a private folder removed on exit. A model that fails to load in the
     background stops the server: status 2 when it is a user error (fit check, model
     files, bad value), else 1. A generation still running after the grace ends the
     process with ``os._exit`` once everything is answered and cleaned up (exiting the
     interpreter under native code would abort it).
     """
-    from ..cli_args import CliError, parse_config_args, quiet_libraries
+    from ..cli_args import CliError, check_lora_args, parse_config_args, quiet_libraries
 
     try:
         settings = ServerSettings.from_args(args)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
         config = parse_config_args(args)
+        check_lora_args(args)
         limits = ConnectionLimits(
             max_connections=resolve_max_connections(settings.max_connections),
             timeout_keep_alive=settings.timeout_keep_alive,
@@ -199,7 +205,9 @@ def serve(args: argparse.Namespace) -> int:
     variant = getattr(args, "variant", None)
     pinned = getattr(args, "max_pinned_memory", None)
     budget = getattr(args, "device_memory_budget", None)
-    extra = {} if budget is None else {"device_memory_budget": budget}
+    extra: dict[str, Any] = {} if budget is None else {"device_memory_budget": budget}
+    if getattr(args, "lora", None):
+        extra["loras"] = [tuple(lora) for lora in args.lora]
 
     def factory() -> Any:
         return build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned,

@@ -384,10 +384,11 @@ class BaseServerState:
         raise NotImplementedError
 
     async def delete_job(self, job_id: str) -> None:
-        """Cancel a queued video job or forget a finished one.
+        """Cancel a queued or running video job (stopped at its next step) or forget a
+        finished one.
 
         Raises:
-            KeyError: no such job. JobInProgress: it is running.
+            KeyError: no such job.
         """
         raise NotImplementedError
 
@@ -403,22 +404,28 @@ class BaseServerState:
     # ------------------------------------------------------------------ views
 
     def video_object(self, job: Job, status: str | None = None) -> dict[str, Any]:
-        """OpenAI's video object for ``job`` (plus ``num_frames``, ``fps``, ``seed``)."""
+        """OpenAI's video object for ``job`` (plus ``num_frames``, ``fps``, ``seed``).
+
+        ``prompt`` echoes the request's prompt; ``expires_at`` (Unix seconds) is when a
+        finished job is dropped (``completed_at + --job-ttl``), None until it finishes.
+        """
         spec: JobSpec = job.payload
         params = spec.params
         fps = spec.fps or DEFAULT_FPS
         status = status or job.status
         seconds = None if params.num_frames is None else f"{params.num_frames / fps:g}"
+        finished = job.completed_at if job.completed_at and status != QUEUED else None
+        prompt = spec.prompt["prompt"] if isinstance(spec.prompt, dict) else spec.prompt
         return {
             "id": job.id,
             "object": "video",
             "model": self.settings.model_id,
             "status": status,
             "progress": 0 if status == QUEUED else int(job.progress),
+            "prompt": prompt,
             "created_at": int(job.created_at),
-            "completed_at": int(job.completed_at)
-            if job.completed_at and status != QUEUED
-            else None,
+            "completed_at": None if finished is None else int(finished),
+            "expires_at": None if finished is None else int(finished + self.settings.job_ttl),
             "size": spec.size or (f"{params.width}x{params.height}" if params.width and params.height else None),
             "num_frames": params.num_frames,
             "fps": fps,
@@ -484,6 +491,9 @@ class ServerState(BaseServerState):
             self.settings.size_multiple or (rules.size_multiple if rules is not None else 16),
             rules.frame_step if rules is not None else frame_step(engine),
             call_params(engine),
+            rules.max_side if rules is not None else None,
+            rules.max_frames if rules is not None else None,
+            rules.limit_source if rules is not None else "",
         )
         self.progress.install(engine)
         self.loaded_at = int(time.time())
@@ -559,11 +569,11 @@ class ServerState(BaseServerState):
         return self.jobs.list()
 
     async def delete_job(self, job_id: str) -> None:
-        """:meth:`JobManager.delete` (raises ``KeyError`` / ``JobInProgress``)."""
+        """:meth:`JobManager.delete` (raises ``KeyError``)."""
         self.jobs.delete(job_id)
 
     async def job_content(self, job: Job) -> bytes | None:
-        """The mp4 of a completed job."""
+        """The encoded result of a completed job (mp4 bytes, or a list of PNG bytes)."""
         return job.result
 
     async def run_and_wait(self, job: Job, disconnected: Callable[[], Any] | None = None) -> Any:
