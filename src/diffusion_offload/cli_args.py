@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .units import parse_bytes
+from .units import human_bytes, parse_bytes
 
 __all__ = [
     "EXIT_FAILURE",
@@ -101,6 +101,13 @@ def _float(minimum: float):
 
 
 def _bytes_type(text: str) -> int:
+    """A size flag's value: a number with a unit (a bare number is refused: ``24`` is far
+    more likely 24 GiB than 24 bytes)."""
+    if re.fullmatch(r"\s*\d+(\.\d+)?\s*", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit; give a unit, e.g. 24GiB (B, KiB, MiB, GiB, TiB, or kB, MB, "
+            "GB, TB)"
+        )
     try:
         return parse_bytes(text)
     except ValueError as exc:
@@ -115,8 +122,8 @@ def _budget_type(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
     try:
-        return parse_bytes(text)
-    except ValueError as exc:
+        return _bytes_type(text)
+    except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"{exc}; or auto") from None
 
 
@@ -268,7 +275,8 @@ def parse_config_args(args: argparse.Namespace):
         planner picks the config when the engine is built).
 
     Raises:
-        CliError: the config is not valid (the message names the flag and the field).
+        CliError: the config is not valid (the message names the flag and the field), or
+            ``--device-memory-budget`` is given without a module-mode config.
     """
     from .core.config import parse_diffusion_offload_config
 
@@ -279,9 +287,25 @@ def parse_config_args(args: argparse.Namespace):
         return "auto"
     raw = read_config_arg(args.diffusion_offload_config)
     try:
-        return parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
+        config = parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
     except (TypeError, ValueError) as exc:
         raise CliError(f"--diffusion-offload-config: {exc}") from None
+    budget = getattr(args, "device_memory_budget", None)
+    if budget is not None:
+        shown = budget if budget == "auto" else human_bytes(budget).replace(" ", "")
+        if config is None:
+            raise CliError(
+                f"--device-memory-budget {shown} needs an offload config in module mode (without "
+                "one everything stays on the device); add --diffusion-offload-config "
+                "'{\"mode\":\"module\",\"components\":[\"dit\",\"text_encoder\"]}' (or auto), or drop it"
+            )
+        if config.mode == "layer":
+            raise CliError(
+                f"--device-memory-budget {shown} applies to mode 'module'; layer mode keeps only "
+                "its trunks and two blocks on the device (use layer_options.resident_layers in "
+                "--diffusion-offload-config to keep more)"
+            )
+    return config
 
 
 # ---------------------------------------------------------------------- the parser
@@ -336,7 +360,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "diffusers' variant= (default: none, the plain weight files)")
     p.add_argument("--max-pinned-memory", metavar="SIZE", type=_bytes_type,
                    help="cap on pinned host memory for host copies; the rest stays pageable "
-                        "(e.g. 40GiB, 512MiB or bytes; default: no cap)")
+                        "(with a unit: e.g. 40GiB, 512MiB, 1000000B; default: no cap)")
     p.add_argument("--device-memory-budget", metavar="SIZE|auto", type=_budget_type,
                    help="module mode: keep components resident while their weights fit in SIZE "
                         "bytes of device memory (e.g. 70GiB), or auto: free memory minus a "
@@ -390,7 +414,7 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("model", help="pipeline directory, hub id in the local Hugging Face cache, or "
                                     "the hub id of a shipped weightless config (required)")
     plan.add_argument("--device-memory", metavar="SIZE", type=_bytes_type,
-                      help="memory the device may allocate, e.g. 24GiB, 80GB or bytes (default: the "
+                      help="memory the device may allocate, with a unit: e.g. 24GiB, 80GB (default: the "
                            "total memory of this machine's --device-kind device)")
     plan.add_argument("--device-kind", choices=_DEVICE_KINDS, default="cuda",
                       help="picks the attention memory model: cuda/xpu/npu/cpu fused kernels "

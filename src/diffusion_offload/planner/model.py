@@ -156,7 +156,7 @@ def _locate(model: str | os.PathLike) -> tuple[Path, bool]:
     raise ModelError(
         f"model {text!r} is not a local directory, is not in the local Hugging Face cache and "
         f"has no shipped weightless config (shipped: {shipped_models()}); download it first "
-        f"(huggingface-cli download {text}) or pass a pipeline folder. The planner never "
+        f"(hf download {text}) or pass a pipeline folder. The planner never "
         "downloads weights"
     )
 

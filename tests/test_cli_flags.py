@@ -1,0 +1,95 @@
+"""Issue 21 items 7-8: silent values and hints. Size flags need a unit, a budget needs a
+module-mode config, an offline or unreachable hub id and a missing weight file are named
+as such; ``cli.main`` runs in-process, refusing before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from diffusion_offload.cli import main  # noqa: E402
+from diffusion_offload.testing import tiny_pipelines  # noqa: E402
+
+PREFIX = "diffusion-offload: error: "
+UNIT = "has no unit; give a unit, e.g. 24GiB (B, KiB, MiB, GiB, TiB, or kB, MB, GB, TB)"
+LAYER = json.dumps({"mode": "layer", "components": ["dit"]})
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_pipelines.save("wan2.1", tmp_path_factory.mktemp("models") / "wan")
+
+
+def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(PREFIX), lines
+    return lines[0][len(PREFIX):]
+
+
+def test_size_flags_refuse_a_bare_number(wan: Path, capsys: pytest.CaptureFixture,
+                                         tmp_path: Path) -> None:
+    out = ["--output", str(tmp_path / "x.gif")]
+    assert _error(capsys, ["plan", str(wan), "--device-memory", "24"]) == f"--device-memory: '24' {UNIT}"
+    assert _error(capsys, ["generate", "--model", str(wan), "--max-pinned-memory", "512", *out]) == \
+        f"--max-pinned-memory: '512' {UNIT}"
+    assert _error(capsys, ["serve", str(wan), "--device-memory-budget", "70"]) == \
+        f"--device-memory-budget: '70' {UNIT}; or auto"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_budget_needs_a_module_config(wan: Path, capsys: pytest.CaptureFixture) -> None:
+    for command in (["generate", "--model", str(wan)], ["serve", str(wan)]):
+        assert _error(capsys, [*command, "--device-memory-budget", "2GiB"]) == (
+            "--device-memory-budget 2.00GiB needs an offload config in module mode (without one "
+            "everything stays on the device); add --diffusion-offload-config "
+            "'{\"mode\":\"module\",\"components\":[\"dit\",\"text_encoder\"]}' (or auto), or drop it")
+        assert _error(capsys, [*command, "--device-memory-budget", "auto",
+                               "--diffusion-offload-config", LAYER]) == (
+            "--device-memory-budget auto applies to mode 'module'; layer mode keeps only its "
+            "trunks and two blocks on the device (use layer_options.resident_layers in "
+            "--diffusion-offload-config to keep more)")
+    # layer mode takes --max-pinned-memory: accepted up to the device check (no accelerator)
+    assert "--max-pinned-memory" not in _error(
+        capsys, ["generate", "--model", str(wan), "--diffusion-offload-config", LAYER,
+                 "--max-pinned-memory", "1GiB", "--device", "cuda"])
+
+
+def test_hub_id_offline_unreachable_and_a_missing_weight_file(
+    wan: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+    import huggingface_hub.constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert _error(capsys, ["generate", "--model", "nobody/none"]) == (
+        "model 'nobody/none' is not a local directory and was not found in the local Hugging "
+        "Face cache (HF_HUB_OFFLINE=1 keeps the hub out); download it first with `hf download "
+        "nobody/none`, or pass a pipeline folder")
+
+    def unreachable(*args: object, **kwargs: object) -> None:  # what the hub raises offline
+        raise LocalEntryNotFoundError("Got: ConnectError: [Errno 111] Connection refused An error "
+                                      "happened while trying to locate the files on the Hub")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    assert _error(capsys, ["generate", "--model", "nobody/none"]) == (
+        "model 'nobody/none' is not a local directory, is not in the local Hugging Face cache, "
+        "and the hub could not be reached (LocalEntryNotFoundError: Got: ConnectError: [Errno "
+        "111] Connection refused); connect to the network, or download it first with `hf "
+        "download nobody/none`")
+
+    model = tmp_path / "m"
+    shutil.copytree(wan, model)
+    (model / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    assert _error(capsys, ["generate", "--model", str(model), "--output", str(tmp_path / "x.gif")]) == (
+        f"component 'transformer' has no weight file: "
+        f"'{model}/transformer/diffusion_pytorch_model.safetensors' (or the shards of "
+        "diffusion_pytorch_model.safetensors.index.json) is missing; download the model again")
