@@ -93,3 +93,37 @@ def test_hub_id_offline_unreachable_and_a_missing_weight_file(
         f"component 'transformer' has no weight file: "
         f"'{model}/transformer/diffusion_pytorch_model.safetensors' (or the shards of "
         "diffusion_pytorch_model.safetensors.index.json) is missing; download the model again")
+
+
+def test_from_report_of_auto_replays_its_budget(wan: Path, tmp_path: Path, fake_device: None,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    # 14.9 MB: all resident does not fit (14.93 MB peak), module + budget does (plan)
+    monkeypatch.setenv("DIFFUSION_OFFLOAD_FAKE_CAPACITY", "14900000")
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    assert main(["generate", "--model", str(wan), "--device", "fakegpu", "--diffusion-offload-config",
+                 "auto", "--output", str(tmp_path / "a.gif"), "--report", str(first)]) == 0
+    ran = json.loads(first.read_text())
+    assert ran["request"]["diffusion_offload_config"]["mode"] == "module"
+    assert isinstance(ran["request"]["device_memory_budget"], int)  # auto's pick, recorded
+    assert main(["generate", "--from-report", str(first), "--output", str(tmp_path / "b.gif"),
+                 "--report", str(again)]) == 0
+    replay = json.loads(again.read_text())
+    assert replay["request"]["device_memory_budget"] == ran["request"]["device_memory_budget"]
+    assert replay["offload_stats"]["evictions"] == ran["offload_stats"]["evictions"] == 0
+    assert replay["offload_stats"]["h2d_bytes"] == ran["offload_stats"]["h2d_bytes"]
+    assert (tmp_path / "a.gif").read_bytes() == (tmp_path / "b.gif").read_bytes()
+    capsys.readouterr()
+
+
+def test_the_cpu_no_op_is_said_once(wan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    from diffusion_offload.testing import fake_accelerator
+
+    monkeypatch.setattr(fake_accelerator, "is_installed", lambda: False)  # a CPU-only machine
+    with caplog.at_level("INFO"):
+        assert main(["generate", "--model", str(wan), "--diffusion-offload-config",
+                     '{"mode":"module","components":["dit"]}', "--output", str(tmp_path / "a.gif")]) == 0
+    said = [r.getMessage() for r in caplog.records if "cpu" in r.getMessage().lower()]
+    assert said == ["no accelerator found: running on the CPU",
+                    "device is cpu: the offload config is accepted but offload is a no-op"]

@@ -253,7 +253,7 @@ def _generate(args: argparse.Namespace) -> int:
     fps = (args.fps or DEFAULT_FPS) if info.is_video else None
     prompt_text = DEFAULT_PROMPT if args.prompt is None else args.prompt
     try:
-        pick_device(args.device)
+        device = pick_device(args.device)  # picked once: its log line is said once
         params = SamplingParams(seed=seed, fps=fps, guidance_scale=args.guidance_scale, **values)
     except (TypeError, ValueError) as exc:
         raise CliError(f"--device: {exc}" if "device" in str(exc) else str(exc)) from None
@@ -264,7 +264,7 @@ def _generate(args: argparse.Namespace) -> int:
             extra["device_memory_budget"] = args.device_memory_budget
         engine = build_omni(
             model_dir, config, variant=args.variant, max_pinned_bytes=args.max_pinned_memory,
-            device=args.device, dtype=args.dtype, trace=trace_path is not None,
+            device=device, dtype=args.dtype, trace=trace_path is not None,
             loras=[tuple(lora) for lora in args.lora or ()], **extra,
         )
         config = engine.config  # "auto" resolved: the report records what ran
@@ -315,7 +315,8 @@ def _generate(args: argparse.Namespace) -> int:
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "diffusion_offload_config": config.to_dict() if config is not None else None,
                 "max_pinned_bytes": args.max_pinned_memory,
-                "device_memory_budget": args.device_memory_budget,
+                # auto's pick included, so --from-report replays what ran
+                "device_memory_budget": getattr(engine, "device_memory_budget", None),
                 "guidance_scale": args.guidance_scale,
                 "loras": [list(lora) for lora in args.lora or ()] or None,
                 "output": str(out_path),

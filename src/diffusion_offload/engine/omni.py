@@ -54,8 +54,8 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     """The device to run on.
 
     ``None`` picks the first available of cuda, xpu, npu, mps, then the fake accelerator
-    if installed, else ``cpu`` (logged once: offload is a no-op there). ``"fakegpu"``
-    installs the fake accelerator.
+    if installed, else ``cpu`` (logged; ``Omni`` says once that an offload config is a
+    no-op there). ``"fakegpu"`` installs the fake accelerator.
 
     Raises:
         ValueError: an unknown device string.
@@ -92,7 +92,7 @@ def pick_device(device: str | torch.device | None) -> torch.device:
 
     if fake_accelerator.is_installed():
         return normalize_device("fakegpu")
-    logger.info("no accelerator found: running on the CPU, where offload is a no-op")
+    logger.info("no accelerator found: running on the CPU")  # Omni says when offload is a no-op
     return torch.device("cpu")
 
 
@@ -202,6 +202,7 @@ class Omni:
             model's default.
         device_memory_budget: module mode: bytes of weights that may stay resident,
             ``"auto"``, or None (the strict rule). See ``diffusion_offload.core.policy``.
+            ``omni.device_memory_budget`` is the budget run (with ``"auto"``: its pick).
         loras: ``(path or hub id, scale)`` pairs, loaded after offload is enabled with
             diffusers' ``load_lora_weights`` (adapters ``lora_0``, ``lora_1``, ...) and
             activated together with ``set_adapters`` at their scales; needs peft.
@@ -268,6 +269,7 @@ class Omni:
                 plan_shape, layer_blocks, budget=device_memory_budget is None)
             if picked_budget is not None:
                 device_memory_budget = picked_budget
+        self.device_memory_budget = device_memory_budget  # as run: auto's pick included
         self.footprint: Footprint | None = None
         if not self.platform.is_noop:
             free = self.platform.memory_stats().free_bytes
@@ -323,6 +325,7 @@ class Omni:
                     streamer.listeners.append(self.tracer.on_block)
         self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
         self.load_seconds = time.perf_counter() - start
+        self._load_reported = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -492,7 +495,10 @@ class Omni:
             else:
                 images.append(result.images[0])
         total = time.perf_counter() - request_start
-        timings = {"load": self.load_seconds, **timings, "total": total}
+        timings["total"] = total
+        if not self._load_reported:  # the load belongs to the first request only
+            self._load_reported = True
+            timings = {"load": self.load_seconds, **timings}
         peak = self.platform.memory_stats().peak_bytes
         return GenerationOutput(
             prompt=prompt,
