@@ -127,3 +127,18 @@ def test_the_cpu_no_op_is_said_once(wan: Path, tmp_path: Path, monkeypatch: pyte
     said = [r.getMessage() for r in caplog.records if "cpu" in r.getMessage().lower()]
     assert said == ["no accelerator found: running on the CPU",
                     "device is cpu: the offload config is accepted but offload is a no-op"]
+
+
+def test_the_fit_advice_comes_from_the_planners_peaks(wan: Path, tmp_path: Path, fake_device: None,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    # 200 kB: no offload does not fit at rest, module dit+text_encoder would at rest (169 kB)
+    # but its predicted peak (activations) is ~14 MB: the advice must not suggest it
+    monkeypatch.setenv("DIFFUSION_OFFLOAD_FAKE_CAPACITY", "200000")
+    message = _error(capsys, ["generate", "--model", str(wan), "--device", "fakegpu",
+                              "--output", str(tmp_path / "a.gif")])
+    assert message.startswith("model does not fit: config no offload needs ")
+    assert ("; the planner predicts that no candidate fits in 195.3 KiB (200000 bytes) for 32x32, "
+            "5 frames, 2 steps on fakegpu; the smallest need is ") in message
+    assert "try --diffusion-offload-config" not in message
+    assert list(tmp_path.iterdir()) == []

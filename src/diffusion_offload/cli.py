@@ -259,7 +259,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise CliError(f"--device: {exc}" if "device" in str(exc) else str(exc)) from None
     _apply_fake_capacity(args.device)
     try:
-        extra = {"plan_shape": values} if config == "auto" else {}
+        extra: dict[str, Any] = {"plan_shape": values}  # auto's and the fit advice's request
         if args.device_memory_budget is not None:
             extra["device_memory_budget"] = args.device_memory_budget
         engine = build_omni(

@@ -30,6 +30,8 @@ __all__ = ["Omni", "build_omni", "check_peft", "parse_dtype", "pick_device"]
 
 logger = logging.getLogger("diffusion_offload")
 
+AUTO_PREFIX = "diffusion_offload_config='auto': "  # how the planner's FitError starts
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _STAGES = ("text_encoding", "denoising", "decoding")
@@ -197,9 +199,9 @@ class Omni:
         layer_blocks: layer mode: block container paths per component name, overriding
             the built-in table (``{"transformer": ["blocks"]}``). See
             ``LayerwiseOffloadBackend``.
-        plan_shape: with ``"auto"``: the request to plan for, keys ``height``, ``width``
-            (pixels), ``num_frames``, ``num_inference_steps``; a missing key takes the
-            model's default.
+        plan_shape: the request to plan for (with ``"auto"``, and for the fit check's
+            advice when a config does not fit), keys ``height``, ``width`` (pixels),
+            ``num_frames``, ``num_inference_steps``; a missing key takes the model's default.
         device_memory_budget: module mode: bytes of weights that may stay resident,
             ``"auto"``, or None (the strict rule). See ``diffusion_offload.core.policy``.
             ``omni.device_memory_budget`` is the budget run (with ``"auto"``: its pick).
@@ -276,6 +278,7 @@ class Omni:
             self.footprint = check_fit(
                 self.info, self.config, torch.tensor([], dtype=self.dtype).element_size(), free,
                 self.platform.supports_pinning, self.component_roles, layer_blocks,
+                advise=lambda: self._planned_advice(free, plan_shape, layer_blocks),
             )
         elif self.config is not None:
             logger.info("device is cpu: the offload config is accepted but offload is a no-op")
@@ -369,6 +372,31 @@ class Omni:
         self.plan_choice = choice.row
         logger.info(choice.message)
         return choice.config, choice.budget
+
+    def _planned_advice(self, free: int, shape: Mapping[str, int | None] | None,
+                        layer_blocks: Mapping[str, Sequence[str]] | None) -> str | None:
+        """The fit check's suggestion from the planner's predicted peaks (what ``auto``
+        would run at ``shape``, or that nothing fits); None when the planner cannot plan
+        this model (the resting-footprint suggestion is used then)."""
+        from ..models.fit import FitError
+        from ..planner.auto import auto_config
+
+        try:
+            choice = auto_config(
+                self.info.path, device_kind=self.device.type, free_bytes=free, dtype=self.dtype,
+                variant=self.variant, component_roles=self.component_roles, shape=shape,
+                modes=("module", "layer"), layer_blocks=layer_blocks,
+            )
+        except FitError as exc:
+            return f"the planner predicts that {str(exc).removeprefix(AUTO_PREFIX)}"
+        except Exception:  # noqa: BLE001 - advice only: fall back to the resting footprints
+            logger.debug("the planner could not advise on the fit", exc_info=True)
+            return None
+        flags = f"--diffusion-offload-config '{choice.config.to_json()}'" if choice.config else "no offload"
+        if choice.budget is not None:
+            flags += f" --device-memory-budget {choice.budget}B"
+        return (f"try {flags} (the planner's pick '{choice.row.name}': predicted peak "
+                f"{choice.row.peak_bytes} bytes)")
 
     def _check_roles(self, roles: Mapping[str, str] | None) -> dict[str, str] | None:
         if roles is None:
