@@ -98,8 +98,11 @@ def test_hub_id_offline_unreachable_and_a_missing_weight_file(
 def test_from_report_of_auto_replays_its_budget(wan: Path, tmp_path: Path, fake_device: None,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture) -> None:
-    # 14.9 MB: all resident does not fit (14.93 MB peak), module + budget does (plan)
-    monkeypatch.setenv("DIFFUSION_OFFLOAD_FAKE_CAPACITY", "14900000")
+    from diffusion_offload.testing import fake_accelerator
+
+    # 14.9 MB free: all resident does not fit (14.93 MB peak), module + budget does (plan)
+    held = fake_accelerator.stats()["allocated_bytes"]  # what earlier tests still hold
+    monkeypatch.setenv("DIFFUSION_OFFLOAD_FAKE_CAPACITY", str(held + 14_900_000))
     first, again = tmp_path / "first.json", tmp_path / "again.json"
     assert main(["generate", "--model", str(wan), "--device", "fakegpu", "--diffusion-offload-config",
                  "auto", "--output", str(tmp_path / "a.gif"), "--report", str(first)]) == 0
