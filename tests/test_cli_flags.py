@@ -44,17 +44,16 @@ def test_size_flags_refuse_a_bare_number(wan: Path, capsys: pytest.CaptureFixtur
     assert list(tmp_path.iterdir()) == []
 
 
-def test_budget_needs_a_module_config(wan: Path, capsys: pytest.CaptureFixture) -> None:
+def test_budget_needs_an_offload_config(wan: Path, capsys: pytest.CaptureFixture) -> None:
     for command in (["generate", "--model", str(wan)], ["serve", str(wan)]):
         assert _error(capsys, [*command, "--device-memory-budget", "2GiB"]) == (
-            "--device-memory-budget 2.00GiB needs an offload config in module mode (without one "
+            "--device-memory-budget 2.00GiB needs an offload config (without one "
             "everything stays on the device); add --diffusion-offload-config "
             "'{\"mode\":\"module\",\"components\":[\"dit\",\"text_encoder\"]}' (or auto), or drop it")
-        assert _error(capsys, [*command, "--device-memory-budget", "auto",
-                               "--diffusion-offload-config", LAYER]) == (
-            "--device-memory-budget auto applies to mode 'module'; layer mode keeps only its "
-            "trunks and two blocks on the device (use layer_options.resident_layers in "
-            "--diffusion-offload-config to keep more)")
+    # layer mode takes a budget too (issue 18): accepted up to the device check
+    assert "--device-memory-budget" not in _error(
+        capsys, ["generate", "--model", str(wan), "--diffusion-offload-config", LAYER,
+                 "--device-memory-budget", "1GiB", "--device", "cuda"])
     # layer mode takes --max-pinned-memory: accepted up to the device check (no accelerator)
     assert "--max-pinned-memory" not in _error(
         capsys, ["generate", "--model", str(wan), "--diffusion-offload-config", LAYER,

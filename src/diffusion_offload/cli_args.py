@@ -276,7 +276,7 @@ def parse_config_args(args: argparse.Namespace):
 
     Raises:
         CliError: the config is not valid (the message names the flag and the field), or
-            ``--device-memory-budget`` is given without a module-mode config.
+            ``--device-memory-budget`` is given without an offload config.
     """
     from .core.config import parse_diffusion_offload_config
 
@@ -295,15 +295,9 @@ def parse_config_args(args: argparse.Namespace):
         shown = budget if budget == "auto" else human_bytes(budget).replace(" ", "")
         if config is None:
             raise CliError(
-                f"--device-memory-budget {shown} needs an offload config in module mode (without "
+                f"--device-memory-budget {shown} needs an offload config (without "
                 "one everything stays on the device); add --diffusion-offload-config "
                 "'{\"mode\":\"module\",\"components\":[\"dit\",\"text_encoder\"]}' (or auto), or drop it"
-            )
-        if config.mode == "layer":
-            raise CliError(
-                f"--device-memory-budget {shown} applies to mode 'module'; layer mode keeps only "
-                "its trunks and two blocks on the device (use layer_options.resident_layers in "
-                "--diffusion-offload-config to keep more)"
             )
     return config
 
@@ -362,11 +356,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cap on pinned host memory for host copies; the rest stays pageable "
                         "(with a unit: e.g. 40GiB, 512MiB, 1000000B; default: no cap)")
     p.add_argument("--device-memory-budget", metavar="SIZE|auto", type=_budget_type,
-                   help="module mode: keep components resident while their weights fit in SIZE "
-                        "bytes of device memory (e.g. 70GiB), or auto: free memory minus a "
-                        "reserve of max(10%%, 1 GiB) for activations; the next stage is "
-                        "prefetched when it fits (default: the strict rule, only the running "
-                        "group on the device)")
+                   help="keep weights resident while they fit in SIZE bytes of device memory "
+                        "(e.g. 70GiB), or auto: free memory minus a reserve of max(10%%, 1 GiB) "
+                        "for activations; module mode keeps whole components (the next stage "
+                        "is prefetched when it fits), layer mode keeps streamed blocks beyond "
+                        "the trunks (default: module mode's strict rule, only the running "
+                        "group on the device; layer mode's trunks and two blocks)")
     p.add_argument("--lora", metavar="PATH[:SCALE]", type=_lora_type, action="append",
                    help="a LoRA (.safetensors file, folder or hub id) loaded with diffusers' "
                         "load_lora_weights after offload is enabled, at SCALE (default 1); "
