@@ -367,21 +367,21 @@ def test_fit_check(models, fake_device):
         Omni(path, FULL, device="fakegpu", progress=False)
     message = str(refused.value)
     assert f"needs {need_full} bytes" in message and f"only {need_full - 1} bytes are free" in message
-    assert "no offload config fits" in message  # module and layer candidates alike
+    assert "the planner predicts that no candidate fits" in message  # module and layer alike
     assert fa.stats()["allocated_bytes"] == allocated  # nothing was loaded
 
-    # no offload does not fit, the full config does: the message suggests it
+    # no offload does not fit; the full config would at rest, but its predicted peak
+    # (activations included) would not: the advice, the planner's, does not suggest it
     fa.set_capacity(allocated + need_full)
     with pytest.raises(FitError) as refused:
         Omni(path, None, device="fakegpu", progress=False)
     message = str(refused.value)
     assert f"needs {need_none} bytes" in message and f"only {need_full} bytes are free" in message
-    suggested = re.search(r"--diffusion-offload-config '([^']+)'", message)
-    assert suggested is not None, message
-    assert parse_diffusion_offload_config(json.loads(suggested.group(1))) == parse_diffusion_offload_config(FULL)
+    assert "the planner predicts that no candidate fits" in message, message
+    assert "try --diffusion-offload-config" not in message
 
     # a device that holds the largest group is accepted; with room for activations it generates
-    with Omni(path, json.loads(suggested.group(1)), device="fakegpu", progress=False) as engine:
+    with Omni(path, FULL, device="fakegpu", progress=False) as engine:
         assert engine.footprint.device_bytes == need_full
         assert fa.stats()["allocated_bytes"] - allocated <= need_full
         fa.set_capacity(allocated + need_full + 64 * 2**20)
@@ -460,11 +460,12 @@ def test_timings_and_trace(models, fake_device):
     json.dumps(trace)  # plain JSON
 
     # timings
+    assert first.timings["load"] == engine.load_seconds > 0  # only the request after loading
+    assert set(second.timings) == {*_STAGES, "total"}
     for out in (first, second):
-        assert set(out.timings) == {"load", *_STAGES, "total"}
         assert all(v >= 0 for v in out.timings.values())
-        assert out.timings["load"] == engine.load_seconds > 0
-        assert out.timings["total"] >= sum(out.timings[s] for s in _STAGES) - 1e-3
+        stages = sum(out.timings[s] for s in _STAGES)
+        assert stages - 1e-3 <= out.timings["total"] < stages + 1.0  # the request, load excluded
         assert out.timings["denoising"] > 0
 
     # format: object format, complete events in microseconds, metadata names the lanes

@@ -298,10 +298,3 @@ def test_cli_device_memory_budget_parses_sizes_and_auto():
         assert parser.parse_args(base).device_memory_budget is None
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--device-memory-budget", "lots"])
-
-
-def test_omni_refuses_a_budget_in_layer_mode(tmp_path):
-    from diffusion_offload import Omni
-
-    with pytest.raises(ValueError, match="device_memory_budget applies to mode='module'"):
-        Omni(str(tmp_path), {"mode": "layer", "components": ["dit"]}, device="cpu", device_memory_budget="auto")

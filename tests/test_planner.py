@@ -266,7 +266,7 @@ def test_parse_refuses_auto_and_points_to_its_users():
 
 
 def test_plan_command_prints_the_table(tiny_wan, capsys):
-    code = main(["plan", str(tiny_wan), "--device-memory", "15000000", "--device-kind", "fakegpu",
+    code = main(["plan", str(tiny_wan), "--device-memory", "15000000B", "--device-kind", "fakegpu",
                  "--height", "32", "--width", "32", "--num-frames", "5", "--steps", "2",
                  "--h2d-bandwidth", "10GB/s"])
     out = capsys.readouterr().out

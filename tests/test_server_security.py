@@ -451,6 +451,21 @@ def test_official_openai_client_images_and_videos(tmp_path: Path) -> None:
                                         response_format="b64_json")
         pngs = [base64.b64decode(item.b64_json) for item in result.data]
         assert len(pngs) == 2 and all(p.startswith(b"\x89PNG") for p in pngs)
+        # response_format="url": served here, with the same key, kept as a job (--job-ttl)
+        result = client.images.generate(model="stub", prompt="a red car", size="32x32", n=2,
+                                        response_format="url", extra_body={"seed": 3})
+        again = client.images.generate(model="stub", prompt="a red car", size="32x32", n=2,
+                                       response_format="b64_json", extra_body={"seed": 3})
+        urls = [item.url for item in result.data]
+        assert all(u.startswith(f"{image.url}/v1/images/image_") for u in urls), urls
+        with httpx.Client(timeout=30) as c:
+            fetched = [c.get(u, headers={"Authorization": "Bearer sk-test"}) for u in urls]
+            assert [r.status_code for r in fetched] == [200, 200]
+            assert [r.content for r in fetched] == [base64.b64decode(i.b64_json) for i in again.data]
+            assert c.get(urls[0]).status_code == 401  # the same auth as the API
+            missing = urls[0].rsplit("/", 1)[0] + "/2.png"
+            assert c.get(missing, headers={"Authorization": "Bearer sk-test"}).status_code == 404
+        assert image.state.jobs.stored == 1  # counted in --max-stored-jobs
 
         client = openai.OpenAI(base_url=f"{video.url}/v1", api_key="sk-test", max_retries=0)
         job = client.videos.create(model="stub", prompt="a cat", seconds="4", size="32x32",
@@ -462,6 +477,9 @@ def test_official_openai_client_images_and_videos(tmp_path: Path) -> None:
             job = client.videos.retrieve(job.id)
         assert job.status == "completed", job
         assert job.seconds == "4.5"  # 9 frames at 2 fps
+        dump = job.to_dict()  # declared fields of the client's Video, and the extra ones
+        assert dump["prompt"] == "a cat"
+        assert dump["expires_at"] == job.completed_at + 3600  # --job-ttl
         content = client.videos.download_content(job.id)
         data = content.read()
         import imageio.v3 as iio
@@ -470,6 +488,35 @@ def test_official_openai_client_images_and_videos(tmp_path: Path) -> None:
         assert frames.shape == (9, 32, 32, 3)
         listed = [v.id for v in client.videos.list()]
         assert listed == [job.id]
+
+        # a request the model cannot run is refused at validation, naming the model's limit
+        for kwargs, field, limit in ((dict(seconds="8"), "seconds", "at most 125 frames"),
+                                     (dict(size="1280x720"), "size", "at most 512 pixels a side")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.videos.create(model="stub", prompt="a cat", **kwargs)
+            body = err.value.body
+            assert body["param"] == field, body
+            assert f"its transformer's rope_max_seq_len of 32 allows {limit}" in body["message"]
+
+        # DELETE of a running job: deleted, stopped at its next step, then 404, counted
+        running = client.videos.create(model="stub", prompt="a long cat", size="32x32",
+                                       extra_body={"num_frames": 5, "num_inference_steps": 100})
+        while client.videos.retrieve(running.id).status != "in_progress":
+            time.sleep(0.01)
+        kept = video.state.jobs.get(running.id)
+        assert client.videos.delete(running.id).deleted is True
+        with pytest.raises(openai.NotFoundError):
+            client.videos.retrieve(running.id)
+        deadline = time.monotonic() + 30
+        while video.state.jobs.running_count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert video.state.jobs.running_count == 0
+        assert kept.status == "failed" and kept.error["code"] == "cancelled"
+        assert kept.progress < 99 and kept.result is None  # stopped before its last step
+        samples = {(m.name, tuple(sorted(s.labels.items()))): s.value
+                   for m in text_string_to_metric_families(httpx.get(f"{video.url}/metrics").text)
+                   for s in m.samples}
+        assert samples[("diffusion_offload_jobs", (("kind", "video"), ("status", "cancelled")))] == 1
     finally:
         image.stop()
         video.stop()

@@ -31,6 +31,7 @@ from .cli_args import (
     EXIT_USAGE,
     CliError,
     build_parser,
+    check_lora_args,
     parse_config_args,
     quiet_libraries,
     version,
@@ -58,6 +59,8 @@ _REQUEST_ARGS = {
     "dtype": ("dtype", "--dtype"),
     "max_pinned_bytes": ("max_pinned_memory", "--max-pinned-memory"),
     "device_memory_budget": ("device_memory_budget", "--device-memory-budget"),
+    "guidance_scale": ("guidance_scale", "--guidance-scale"),
+    "loras": ("lora", "--lora"),
 }
 
 
@@ -194,6 +197,7 @@ def _summary(output: Any, report: dict[str, Any]) -> None:
 def _generate(args: argparse.Namespace) -> int:
     _apply_report(args)
     config = parse_config_args(args)
+    check_lora_args(args)
     overwrite = args.overwrite
     out_given = _check_new_file(args.output, "--output", overwrite, (".png", ".mp4", ".gif"))
     report_path = _check_new_file(args.report, "--report", overwrite, (".json",))
@@ -249,21 +253,22 @@ def _generate(args: argparse.Namespace) -> int:
     fps = (args.fps or DEFAULT_FPS) if info.is_video else None
     prompt_text = DEFAULT_PROMPT if args.prompt is None else args.prompt
     try:
-        pick_device(args.device)
-        params = SamplingParams(seed=seed, fps=fps, **values)
+        device = pick_device(args.device)  # picked once: its log line is said once
+        params = SamplingParams(seed=seed, fps=fps, guidance_scale=args.guidance_scale, **values)
     except (TypeError, ValueError) as exc:
         raise CliError(f"--device: {exc}" if "device" in str(exc) else str(exc)) from None
     _apply_fake_capacity(args.device)
     try:
-        extra = {"plan_shape": values} if config == "auto" else {}
+        extra: dict[str, Any] = {"plan_shape": values}  # auto's and the fit advice's request
         if args.device_memory_budget is not None:
             extra["device_memory_budget"] = args.device_memory_budget
         engine = build_omni(
             model_dir, config, variant=args.variant, max_pinned_bytes=args.max_pinned_memory,
-            device=args.device, dtype=args.dtype, trace=trace_path is not None, **extra,
+            device=device, dtype=args.dtype, trace=trace_path is not None,
+            loras=[tuple(lora) for lora in args.lora or ()], **extra,
         )
         config = engine.config  # "auto" resolved: the report records what ran
-    except (FitError, ModelError, NotImplementedError) as exc:
+    except (FitError, ModelError, NotImplementedError, ImportError) as exc:
         raise CliError(str(exc)) from None
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
@@ -310,7 +315,10 @@ def _generate(args: argparse.Namespace) -> int:
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "diffusion_offload_config": config.to_dict() if config is not None else None,
                 "max_pinned_bytes": args.max_pinned_memory,
-                "device_memory_budget": args.device_memory_budget,
+                # auto's pick included, so --from-report replays what ran
+                "device_memory_budget": getattr(engine, "device_memory_budget", None),
+                "guidance_scale": args.guidance_scale,
+                "loras": [list(lora) for lora in args.lora or ()] or None,
                 "output": str(out_path),
             },
             "model": args.model or str(model_dir),
@@ -388,6 +396,9 @@ def _plan(args: argparse.Namespace) -> int:
         request = resolve_request(pm, args.height, args.width, args.num_frames, args.steps,
                                   names=names)
         device_memory = args.device_memory
+        if device_memory is None and args.device_kind == "cpu":
+            raise CliError("--device-kind cpu needs --device-memory (a CPU has no device memory "
+                           "of its own to read), e.g. --device-memory 64GiB")
         if device_memory is None:
             from .planner.plan import default_device_memory
 

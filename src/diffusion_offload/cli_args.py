@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .units import parse_bytes
+from .units import human_bytes, parse_bytes
 
 __all__ = [
     "EXIT_FAILURE",
     "EXIT_USAGE",
     "CliError",
     "build_parser",
+    "check_lora_args",
     "check_serve_args",
     "parse_config_args",
     "read_config_arg",
@@ -100,6 +101,13 @@ def _float(minimum: float):
 
 
 def _bytes_type(text: str) -> int:
+    """A size flag's value: a number with a unit (a bare number is refused: ``24`` is far
+    more likely 24 GiB than 24 bytes)."""
+    if re.fullmatch(r"\s*\d+(\.\d+)?\s*", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit; give a unit, e.g. 24GiB (B, KiB, MiB, GiB, TiB, or kB, MB, "
+            "GB, TB)"
+        )
     try:
         return parse_bytes(text)
     except ValueError as exc:
@@ -114,12 +122,51 @@ def _budget_type(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
     try:
-        return parse_bytes(text)
-    except ValueError as exc:
+        return _bytes_type(text)
+    except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"{exc}; or auto") from None
 
 
 _budget_type.__name__ = "size or auto"
+
+
+def _lora_type(text: str) -> tuple[str, float]:
+    """``--lora PATH[:SCALE]``: a LoRA file, folder or hub id and its scale (default 1)."""
+    path, sep, scale_text = text.rpartition(":")
+    scale = 1.0
+    if sep:
+        try:
+            scale = float(scale_text)
+        except ValueError:  # a colon inside the path itself
+            path = text
+        else:
+            if scale != scale or scale in (float("inf"), float("-inf")):
+                raise argparse.ArgumentTypeError(f"the scale of {text!r} must be a finite number")
+    else:
+        path = text
+    if not path.strip():
+        raise argparse.ArgumentTypeError(f"must be PATH[:SCALE], e.g. style.safetensors:0.8, got {text!r}")
+    looks_local = path.endswith(".safetensors") or path.startswith((".", "/", "~"))
+    if looks_local and not Path(path).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{path!r} does not exist (give a LoRA file, folder or hub id)")
+    return str(Path(path).expanduser()) if looks_local else path, scale
+
+
+_lora_type.__name__ = "PATH[:SCALE]"
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """``--lora`` needs peft (diffusers' LoRA loading uses it).
+
+    Raises:
+        CliError: ``--lora`` given and peft not installed (names the ``lora`` extra).
+    """
+    if getattr(args, "lora", None):
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise CliError(f"--lora {args.lora[0][0]} needs peft, which is not installed; install "
+                           "it with pip install 'diffusion_offload[lora]'")
 
 
 def _autoscale_type(text: str) -> tuple[int, int]:
@@ -141,7 +188,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     Raises:
         CliError: ``--replicas``/``--autoscale``/``--ray-address``/``--ingress-replicas``
-            without ``--ray``; ``--replicas`` with ``--autoscale``; ``--device cuda:N``
+            without ``--ray``; a connection flag (``--max-connections``, ``--timeout-*``)
+            with ``--ray``; ``--replicas`` with ``--autoscale``; ``--device cuda:N``
             with ``--ray`` (each replica gets its own GPU as ``cuda``).
     """
     ray_flags = [
@@ -154,6 +202,14 @@ def check_serve_args(args: argparse.Namespace) -> None:
         )
         if value is not None
     ]
+    if getattr(args, "ray", False):
+        for flag in ("--max-connections", "--timeout-keep-alive", "--timeout-headers", "--timeout-body"):
+            value = getattr(args, flag[2:].replace("-", "_"), None)
+            if value is not None:
+                raise CliError(
+                    f"{flag} {value:g} applies to plain serve only: under --ray, Ray Serve's "
+                    "HTTP proxy holds the connections; drop the flag or --ray"
+                )
     if not getattr(args, "ray", False):
         if ray_flags:
             flag, value = ray_flags[0]
@@ -219,7 +275,8 @@ def parse_config_args(args: argparse.Namespace):
         planner picks the config when the engine is built).
 
     Raises:
-        CliError: the config is not valid (the message names the flag and the field).
+        CliError: the config is not valid (the message names the flag and the field), or
+            ``--device-memory-budget`` is given without an offload config.
     """
     from .core.config import parse_diffusion_offload_config
 
@@ -230,9 +287,19 @@ def parse_config_args(args: argparse.Namespace):
         return "auto"
     raw = read_config_arg(args.diffusion_offload_config)
     try:
-        return parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
+        config = parse_diffusion_offload_config(raw, enable_cpu_offload=args.enable_cpu_offload)
     except (TypeError, ValueError) as exc:
         raise CliError(f"--diffusion-offload-config: {exc}") from None
+    budget = getattr(args, "device_memory_budget", None)
+    if budget is not None:
+        shown = budget if budget == "auto" else human_bytes(budget).replace(" ", "")
+        if config is None:
+            raise CliError(
+                f"--device-memory-budget {shown} needs an offload config (without "
+                "one everything stays on the device); add --diffusion-offload-config "
+                "'{\"mode\":\"module\",\"components\":[\"dit\",\"text_encoder\"]}' (or auto), or drop it"
+            )
+    return config
 
 
 # ---------------------------------------------------------------------- the parser
@@ -248,7 +315,8 @@ POST /v1/images/generations (application/json):
   size                 "WIDTHxHEIGHT" or "auto" (default: the model's; 32x32 for a
                        make-tiny model); width*height <= --max-pixels, each side a
                        multiple of the model's size multiple (VAE scale x patch size)
-  response_format      "b64_json" (the only one; default)
+  response_format      "b64_json" (default), or "url": a link to GET
+                       /v1/images/{id}/{i}.png here (same key), kept --job-ttl s
   negative_prompt      text (default none)
   num_inference_steps  1 to --max-steps (default: the model's; 2 for a make-tiny model)
   guidance_scale       0-1000 (default: the pipeline's)
@@ -286,13 +354,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "diffusers' variant= (default: none, the plain weight files)")
     p.add_argument("--max-pinned-memory", metavar="SIZE", type=_bytes_type,
                    help="cap on pinned host memory for host copies; the rest stays pageable "
-                        "(e.g. 40GiB, 512MiB or bytes; default: no cap)")
+                        "(with a unit: e.g. 40GiB, 512MiB, 1000000B; default: no cap)")
     p.add_argument("--device-memory-budget", metavar="SIZE|auto", type=_budget_type,
-                   help="module mode: keep components resident while their weights fit in SIZE "
-                        "bytes of device memory (e.g. 70GiB), or auto: free memory minus a "
-                        "reserve of max(10%%, 1 GiB) for activations; the next stage is "
-                        "prefetched when it fits (default: the strict rule, only the running "
-                        "group on the device)")
+                   help="keep weights resident while they fit in SIZE bytes of device memory "
+                        "(e.g. 70GiB), or auto: free memory minus a reserve of max(10%%, 1 GiB) "
+                        "for activations; module mode keeps whole components (the next stage "
+                        "is prefetched when it fits), layer mode keeps streamed blocks beyond "
+                        "the trunks (default: module mode's strict rule, only the running "
+                        "group on the device; layer mode's trunks and two blocks)")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", type=_lora_type, action="append",
+                   help="a LoRA (.safetensors file, folder or hub id) loaded with diffusers' "
+                        "load_lora_weights after offload is enabled, at SCALE (default 1); "
+                        "repeat for several, all active together (needs peft: pip install "
+                        "'diffusion_offload[lora]'; default: none)")
 
 
 _DEVICE_KINDS = ("cuda", "xpu", "npu", "mps", "fakegpu", "cpu")  # planner.memory.DEVICE_KINDS
@@ -335,7 +409,7 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("model", help="pipeline directory, hub id in the local Hugging Face cache, or "
                                     "the hub id of a shipped weightless config (required)")
     plan.add_argument("--device-memory", metavar="SIZE", type=_bytes_type,
-                      help="memory the device may allocate, e.g. 24GiB, 80GB or bytes (default: the "
+                      help="memory the device may allocate, with a unit: e.g. 24GiB, 80GB (default: the "
                            "total memory of this machine's --device-kind device)")
     plan.add_argument("--device-kind", choices=_DEVICE_KINDS, default="cuda",
                       help="picks the attention memory model: cuda/xpu/npu/cpu fused kernels "
@@ -393,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output width (default: the model's; 32 for a make-tiny model)")
     gen.add_argument("--num-frames", type=_int("--num-frames", 1), metavar="N",
                      help="frames of a video (default: the model's; 5 for a make-tiny model)")
+    gen.add_argument("--guidance-scale", type=_float(0.0), metavar="SCALE",
+                     help="classifier-free guidance scale (default: the pipeline's)")
     gen.add_argument("--fps", type=_int("--fps", 1, 240), metavar="N",
                      help="frames per second of the written video (default: 16)")
     gen.add_argument("--report", metavar="FILE.json",
@@ -436,7 +512,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=_int("--max-body-bytes", 1), default=1048576,
                      help="largest request body in bytes, else 413 (default: 1048576)")
     srv.add_argument("--shutdown-grace", type=_float(0.0), default=30.0,
-                     help="seconds the running job may finish after SIGINT/SIGTERM (default: 30)")
+                     help="seconds the running job may finish after SIGINT/SIGTERM; then it is "
+                          "marked failed and serve exits within a second; a second signal "
+                          "exits at once (default: 30)")
+    conn = srv.add_argument_group(
+        "connections", "Slow and idle clients are cut off; open connections are bounded.")
+    conn.add_argument("--max-connections", type=_int("--max-connections", 1), metavar="N",
+                      help="most open client connections; beyond it the connection waiting "
+                           "longest for a request is closed, or, when all have a request in "
+                           "flight, the new one gets 503 (default: 1000, or ulimit -n minus 64 "
+                           "when that is less)")
+    conn.add_argument("--timeout-keep-alive", type=_float(0.001), metavar="SECONDS",
+                      help="close a connection idle this long between requests (default: 5)")
+    conn.add_argument("--timeout-headers", type=_float(0.001), metavar="SECONDS",
+                      help="the request line and headers must arrive within this from the "
+                           "connection opening or the previous response, else 408 and close "
+                           "(default: 10)")
+    conn.add_argument("--timeout-body", type=_float(0.001), metavar="SECONDS",
+                      help="the request body must arrive within this after its headers, else "
+                           "408 and close (default: 30)")
     srv.add_argument("--job-ttl", type=_float(0.0), default=3600.0,
                      help="seconds a finished video job is kept before it expires (default: 3600)")
     srv.add_argument("--max-stored-jobs", type=_int("--max-stored-jobs", 1), default=100,

@@ -7,7 +7,14 @@ or ``nn.Sequential``). The containers are found, in this order of precedence:
 2. the class attribute ``_layerwise_offload_blocks_attrs: ClassVar[list[str]]`` declared
    by the component's class (dotted paths allowed);
 3. the built-in table ``BUILTIN_BLOCK_ATTRS`` below, matched by class name along the MRO,
-   so subclasses match too.
+   so subclasses match too;
+4. discovery (``discovered_block_attrs``): for a UNet (``down_blocks`` and ``up_blocks``
+   containers) its down blocks, mid block and up blocks; otherwise the outermost
+   ``nn.ModuleList`` / ``nn.Sequential`` containers whose children (two or more) repeat one
+   class, each holding at least 5 % of the component's bytes and together more than half.
+   Their order is definition order: a model that runs them otherwise gets each
+   out-of-order block loaded synchronously on its first call (``stats.fallback_loads``,
+   never a wrong result), and an info log line names the discovered containers.
 
 The table's container names come from the models' source code (diffusers 0.42,
 transformers 5): ``WanTransformer3DModel.blocks``; ``FluxTransformer2DModel.
@@ -20,18 +27,34 @@ transformer_blocks``; ``T5EncoderModel`` / ``UMT5EncoderModel`` ``encoder.block`
 layers of the language model that Qwen-Image uses as its text encoder; the vision tower
 stays resident).
 
+The table also lists the other diffusers 0.42 transformers of the families layer mode is
+tested on (HunyuanVideo, LTX, LTX-2, CogVideoX, Sana, PixArt, Chroma, Lumina2, HiDream,
+FLUX.2, Mochi, SkyReels-V2, Kandinsky 5, Z-Image) and the decoder LLMs used as text encoders
+(Llama, Gemma, Gemma 2, Qwen3, GLM, Mistral 3), so that where a forward runs its containers
+out of definition order (Lumina2: ``context_refiner`` before ``noise_refiner``) the first
+call's order is right too.
+
 The order of the blocks is the order of the containers, then of their children: the order
 a forward runs them in for every model in the table.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
-__all__ = ["BUILTIN_BLOCK_ATTRS", "PATH_ALTERNATIVES", "block_attrs", "discover_blocks"]
+__all__ = [
+    "BUILTIN_BLOCK_ATTRS",
+    "PATH_ALTERNATIVES",
+    "block_attrs",
+    "discover_blocks",
+    "discovered_block_attrs",
+]
+
+logger = logging.getLogger(__name__)
 
 #: class name -> container paths. Where transformers 4 nested a path differently, the
 #: other spelling is tried too (``PATH_ALTERNATIVES``).
@@ -42,6 +65,20 @@ BUILTIN_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
     "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
     "SD3Transformer2DModel": ("transformer_blocks",),
     "QwenImageTransformer2DModel": ("transformer_blocks",),
+    "HunyuanVideoTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "LTXVideoTransformer3DModel": ("transformer_blocks",),
+    "LTX2VideoTransformer3DModel": ("transformer_blocks",),
+    "CogVideoXTransformer3DModel": ("transformer_blocks",),
+    "SanaTransformer2DModel": ("transformer_blocks",),
+    "PixArtTransformer2DModel": ("transformer_blocks",),
+    "ChromaTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "Lumina2Transformer2DModel": ("context_refiner", "noise_refiner", "layers"),
+    "HiDreamImageTransformer2DModel": ("double_stream_blocks", "single_stream_blocks"),
+    "Flux2Transformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "MochiTransformer3DModel": ("transformer_blocks",),
+    "SkyReelsV2Transformer3DModel": ("blocks",),
+    "Kandinsky5Transformer3DModel": ("text_transformer_blocks", "visual_transformer_blocks"),
+    "ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "layers"),
     # transformers text encoders
     "T5EncoderModel": ("encoder.block",),
     "UMT5EncoderModel": ("encoder.block",),
@@ -49,6 +86,13 @@ BUILTIN_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
     "CLIPTextModelWithProjection": ("encoder.layers",),
     "Qwen2_5_VLForConditionalGeneration": ("model.language_model.layers",),
     "Qwen2_5_VLModel": ("language_model.layers",),
+    "LlamaModel": ("layers",),
+    "LlamaForCausalLM": ("model.layers",),
+    "GemmaModel": ("layers",),
+    "Gemma2Model": ("layers",),
+    "Qwen3Model": ("layers",),
+    "GlmModel": ("layers",),
+    "Mistral3ForConditionalGeneration": ("model.language_model.layers",),
 }
 
 
@@ -61,7 +105,8 @@ def block_attrs(module: nn.Module, override: Sequence[str] | None = None) -> tup
 
     Returns:
         ``(paths, source)`` with ``source`` one of ``"override"``,
-        ``"_layerwise_offload_blocks_attrs"``, ``"table"``, or ``"none"`` (empty paths).
+        ``"_layerwise_offload_blocks_attrs"``, ``"table"``, ``"discovered"``
+        (``discovered_block_attrs``), or ``"none"`` (empty paths).
 
     Raises:
         TypeError: the override or the class attribute is not a list/tuple of str.
@@ -81,7 +126,55 @@ def block_attrs(module: nn.Module, override: Sequence[str] | None = None) -> tup
                 if all(_resolve(module, p) is not None for p in other):
                     return other, "table"
             return paths, "table"
-    return (), "none"
+    paths = discovered_block_attrs(module)
+    return paths, ("discovered" if paths else "none")
+
+
+def _bytes(module: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in (*module.parameters(), *module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _repeats_one_class(module: nn.Module) -> bool:
+    children = list(module.children())
+    return (
+        isinstance(module, (nn.ModuleList, nn.Sequential))
+        and len(children) >= 2
+        and len({type(c) for c in children}) == 1
+    )
+
+
+def discovered_block_attrs(module: nn.Module) -> tuple[str, ...]:
+    """Block container paths of a ``module`` that no override, class attribute or table
+    entry covers: a UNet's ``("down_blocks", "mid_block", "up_blocks")`` (``mid_block``, a
+    single block, when present); else the outermost containers whose two or more children
+    repeat one class, each with at least 5 % of the module's bytes and together more than
+    half, in definition order; else ``()``."""
+    down, up = getattr(module, "down_blocks", None), getattr(module, "up_blocks", None)
+    if isinstance(down, nn.ModuleList) and isinstance(up, nn.ModuleList):
+        if isinstance(getattr(module, "mid_block", None), nn.Module):
+            return ("down_blocks", "mid_block", "up_blocks")
+        return ("down_blocks", "up_blocks")
+    total = _bytes(module)
+    found: list[tuple[str, int]] = []
+
+    def walk(prefix: str, mod: nn.Module) -> None:
+        for name, child in mod.named_children():
+            if _repeats_one_class(child):
+                found.append((prefix + name, _bytes(child)))
+            else:
+                walk(f"{prefix}{name}.", child)
+
+    walk("", module)
+    big = [(path, n) for path, n in found if n * 20 >= total]
+    if total and sum(n for _, n in big) * 2 > total:
+        return tuple(path for path, _ in big)
+    return ()
 
 
 def _paths(value: Any, what: str) -> tuple[str, ...]:
@@ -127,14 +220,28 @@ def discover_blocks(
     if not paths:
         raise ValueError(
             f"component {label!r} ({type(module).__name__}) has no discoverable blocks for "
-            "layer mode: its class declares no _layerwise_offload_blocks_attrs and is not in "
-            f"the built-in table ({sorted(BUILTIN_BLOCK_ATTRS)}); pass "
+            "layer mode: its class declares no _layerwise_offload_blocks_attrs, is not in "
+            f"the built-in table ({sorted(BUILTIN_BLOCK_ATTRS)}), and no containers of repeated "
+            f"blocks hold most of its bytes; pass "
             f"layer_blocks={{{label!r}: ['<container path>']}}, or select it out of layer mode"
+        )
+    if source == "discovered":
+        logger.info(
+            "component %r (%s): no block table entry; layer mode streams the discovered "
+            "containers %s in definition order (a block run out of that order is loaded "
+            "synchronously on the first call: stats.fallback_loads)",
+            label, type(module).__name__, list(paths),
         )
     out: list[tuple[str, nn.Module]] = []
     seen: dict[int, str] = {}
     for path in paths:
         container = _resolve(module, path)
+        if source == "discovered" and isinstance(container, nn.Module) and not isinstance(
+            container, (nn.ModuleList, nn.Sequential)
+        ):
+            seen[id(container)] = path  # a UNet's mid block: one block
+            out.append((path, container))
+            continue
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             found = "nothing" if container is None else type(container).__name__
             raise ValueError(

@@ -124,10 +124,12 @@ class DiffusionOffloadConfig:
     def offloads_role(self, role: str) -> bool:
         """Whether a component of ``role`` may move to the host under this config.
 
-        ``dit`` and ``text_encoder`` follow the selection; other encoders (``encoder``:
-        image encoders, MLLMs) only under the legacy ``enable_cpu_offload``; ``vae`` and
-        ``resident`` never.
+        ``dit`` and ``text_encoder`` follow the selection, ``adapter`` (ControlNets...)
+        follows ``dit``; other encoders (``encoder``: image encoders, MLLMs) only under the
+        legacy ``enable_cpu_offload``; ``vae`` and ``resident`` never.
         """
+        if role == "adapter":
+            return self.selects("dit")
         if role in COMPONENTS:
             return self.selects(role)
         return role == "encoder" and not self.explicit

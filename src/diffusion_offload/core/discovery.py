@@ -5,20 +5,24 @@ Two sources, in this order:
 1. ``SupportsComponentDiscovery``: the pipeline class lists its modules by role in
    ClassVars (entries may be dotted paths such as ``"encoders.text"``).
 2. A diffusers ``DiffusionPipeline``: every ``nn.Module`` in ``pipeline.components`` is
-   classified by name (``transformer``, ``transformer_2``, ``unet`` -> DiT;
-   ``text_encoder*`` -> text encoder; other ``*encoder*`` -> encoder; ``vae``,
-   ``audio_vae`` -> VAE). A name the map does not know stays resident on the device
-   with one warning naming it.
+   classified by name with the one table ``DIFFUSERS_ROLE_TABLE`` (it covers every
+   component name of every pipeline class diffusers 0.42 exports; a test walks them).
+   A name the table does not know stays resident on the device with one warning naming it.
 
 In both, ``component_roles`` (name -> role) overrides the classification.
 
-Roles: ``dit`` (denoiser), ``text_encoder``, ``encoder`` (image encoders, MLLMs...:
-never selected by an explicit config, offloaded under legacy ``enable_cpu_offload``),
-``vae`` (resident, hooked), ``resident`` (stays on the device, not hooked).
+Roles: ``dit`` (a denoiser: ``transformer``, ``unet``, ``prior``, ``decoder``...),
+``adapter`` (a network that runs inside the denoising loop beside the DiT: ControlNets,
+T2I adapters; selected with ``"dit"`` and loaded and evicted with the DiT group),
+``text_encoder``, ``encoder`` (image encoders, MLLMs, prompt enhancers...: never selected
+by an explicit config, offloaded under legacy ``enable_cpu_offload``), ``vae`` (VAEs and
+other decoders of the latents: VQ models, vocoders; resident, hooked), ``resident``
+(stays on the device, not hooked).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +31,8 @@ from typing import Any, ClassVar
 from torch import nn
 
 __all__ = [
+    "DIFFUSERS_ROLE_TABLE",
+    "DIT_GROUP_ROLES",
     "ENCODER_ROLES",
     "ROLES",
     "STAGE_ROLES",
@@ -38,13 +44,83 @@ __all__ = [
     "resolve_module",
 ]
 
-ROLES: tuple[str, ...] = ("dit", "text_encoder", "encoder", "vae", "resident")
+ROLES: tuple[str, ...] = ("dit", "adapter", "text_encoder", "encoder", "vae", "resident")
 
 #: roles whose modules run as a stage of a request (each gets a hook); ``resident`` never moves
-STAGE_ROLES: tuple[str, ...] = ("dit", "text_encoder", "encoder", "vae")
+STAGE_ROLES: tuple[str, ...] = ("dit", "adapter", "text_encoder", "encoder", "vae")
 
 #: roles that encode the request (text encoders, image encoders): one group in module mode
 ENCODER_ROLES: tuple[str, ...] = ("text_encoder", "encoder")
+
+#: roles of the denoising loop: selected with ``"dit"``; an adapter joins its DiT's group
+DIT_GROUP_ROLES: tuple[str, ...] = ("dit", "adapter")
+
+#: diffusers component name (exact, or an ``fnmatch`` pattern) -> role; the first row that
+#: matches wins. An ``encoder`` whose name has the token ``text`` (``is_text_encoder_path``)
+#: is a ``text_encoder``. Built from the ``__init__`` signatures of diffusers 0.42's
+#: pipeline classes (``tests/test_discovery.py`` walks them all).
+DIFFUSERS_ROLE_TABLE: tuple[tuple[str, str], ...] = (
+    # denoisers (run every step)
+    ("transformer", "dit"),
+    ("transformer_*", "dit"),
+    ("unconditional_transformer", "dit"),  # Ideogram 4
+    ("unet", "dit"),
+    ("unet_*", "dit"),
+    ("image_unet", "dit"),  # Versatile Diffusion
+    ("text_unet", "dit"),
+    ("prior", "dit"),  # Shap-E, Kandinsky priors
+    ("prior_prior", "dit"),  # Kandinsky / Wuerstchen / Stable Cascade combined pipelines
+    ("decoder", "dit"),  # Wuerstchen / Stable Cascade decoder, unCLIP
+    ("super_res_first", "dit"),  # unCLIP
+    ("super_res_last", "dit"),
+    ("latent_upsampler", "dit"),  # LTX, LTX-2
+    ("temporal_latent_upsampler", "dit"),
+    ("latent_upscaler", "dit"),  # Kandinsky 6 SR
+    # adapters inside the denoising loop (the DiT group)
+    ("controlnet", "adapter"),
+    ("controlnet_*", "adapter"),
+    ("adapter", "adapter"),  # T2I-Adapter
+    ("motion_adapter", "adapter"),  # AnimateDiff (copied into the UNet; never runs itself)
+    ("brushnet", "adapter"),
+    # decoders of the latents
+    ("vae", "vae"),
+    ("vae_*", "vae"),
+    ("audio_vae", "vae"),
+    ("movq", "vae"),  # Kandinsky
+    ("vqgan", "vae"),  # Wuerstchen, Stable Cascade
+    ("vqvae", "vae"),  # aMUSEd, VQ-Diffusion
+    ("vocoder", "vae"),  # AudioLDM, MusicLDM, LTX-2
+    ("diffusion_decoder", "vae"),  # LTX-2
+    ("sound_tokenizer", "vae"),  # Cosmos 3
+    ("audio_token_detokenizer", "vae"),  # ACE-Step
+    ("text_decoder", "vae"),  # UniDiffuser (latents -> text)
+    ("shap_e_renderer", "vae"),  # Shap-E (latents -> images)
+    # prompt encoding
+    ("bert", "text_encoder"),  # LDM text-to-image
+    ("language_model", "text_encoder"),  # AudioLDM 2
+    ("projection_model", "text_encoder"),  # AudioLDM 2, Stable Audio
+    ("*encoder*", "encoder"),  # text_encoder*, image_encoder, prior_text_encoder...
+    # other conditioning networks that run before the denoising loop
+    ("audio_tokenizer", "encoder"),  # ACE-Step
+    ("caption_generator", "encoder"),  # Pix2Pix-Zero (BLIP)
+    ("connectors", "encoder"),  # LTX-2 text connectors
+    ("depth_estimator", "encoder"),  # SD depth-to-image (DPT)
+    ("duration_embedder", "encoder"),  # Stable Audio 3
+    ("duration_head", "encoder"),  # LTX-2
+    ("image_embedder", "encoder"),  # FLUX prior Redux
+    ("image_project", "encoder"),  # GLIGEN
+    ("pe", "encoder"),  # ERNIE-Image prompt enhancer
+    ("prompt_enhancer", "encoder"),  # LTX-2
+    ("prompt_enhancer_head", "encoder"),  # Ideogram 4
+    ("qformer", "encoder"),  # BLIP-Diffusion
+    ("siglip", "encoder"),  # Z-Image Omni
+    ("safety_checker", "encoder"),  # runs on the decoded images
+    # small helpers that stay on the device
+    ("image_normalizer", "resident"),  # stable unCLIP
+    ("learned_classifier_free_sampling_embeddings", "resident"),  # VQ-Diffusion
+    ("text_proj", "resident"),  # unCLIP
+    ("watermarker", "resident"),  # DeepFloyd IF
+)
 
 
 class SupportsComponentDiscovery:
@@ -111,13 +187,14 @@ def is_text_encoder_path(path: str) -> bool:
 
 
 def diffusers_role(name: str) -> str | None:
-    """The role of a diffusers pipeline component named ``name``, or None if unknown."""
-    if name in ("transformer", "unet") or name.startswith(("transformer_", "unet_")):
-        return "dit"
-    if "encoder" in name:
-        return "text_encoder" if is_text_encoder_path(name) else "encoder"
-    if name in ("vae", "audio_vae") or name.startswith("vae_"):
-        return "vae"
+    """The role of a diffusers pipeline component named ``name`` (the first row of
+    ``DIFFUSERS_ROLE_TABLE`` that matches; an encoder named with the token ``text`` is a
+    ``text_encoder``), or None if no row matches."""
+    for pattern, role in DIFFUSERS_ROLE_TABLE:
+        if fnmatch.fnmatchcase(name, pattern):
+            if role == "encoder" and is_text_encoder_path(name):
+                return "text_encoder"
+            return role
     return None
 
 
@@ -211,7 +288,7 @@ def discover_components(
             warnings.warn(
                 f"pipeline component {name!r} ({type(module).__name__}) has no known role; "
                 f"it stays resident on the device. To offload it pass component_roles="
-                f"{{{name!r}: 'dit' | 'text_encoder' | 'encoder' | 'vae' | 'resident'}}",
+                f"{{{name!r}: {' | '.join(repr(r) for r in ROLES)}}}",
                 UserWarning,
                 stacklevel=3,
             )

@@ -74,8 +74,10 @@ if TYPE_CHECKING:
     from .residency import ComponentWeights
 
 __all__ = [
+    "BlockSpec",
     "BudgetTooSmallError",
     "MemoryPolicy",
+    "keep_blocks",
     "StageOutOfMemoryError",
     "resolve_budget",
     "smallest_budget",
@@ -151,16 +153,28 @@ class BudgetTooSmallError(ValueError):
     """
 
     def __init__(
-        self, given: Any, budget: int, smallest: int, fixed: int, group: int, group_names: tuple[str, ...]
+        self,
+        given: Any,
+        budget: int,
+        smallest: int,
+        fixed: int,
+        group: int,
+        group_names: tuple[str, ...],
+        layer: bool = False,
     ) -> None:
         self.given, self.budget, self.smallest = given, budget, smallest
         self.fixed, self.group, self.group_names = fixed, group, group_names
         shown = f"{given!r} (resolved to {budget} bytes)" if isinstance(given, str) else f"{budget} bytes"
+        if layer:  # layer mode: the group is the double buffer of the two largest blocks
+            what = f"the two largest streamed blocks {list(group_names)}"
+            rule = "or None (layer mode without a budget: trunks and two blocks)"
+        else:
+            what = f"the largest group {list(group_names)}"
+            rule = "or None for the strict rule (one group at a time, no budget)"
         super().__init__(
             f"device_memory_budget={shown} is below the smallest workable budget of {smallest} "
             f"bytes: {fixed} bytes of weights that always stay on the device + {group} bytes of "
-            f"the largest group {list(group_names)}; give device_memory_budget >= {smallest}, "
-            "or None for the strict rule (one group at a time, no budget)"
+            f"{what}; give device_memory_budget >= {smallest}, {rule}"
         )
 
 
@@ -189,6 +203,81 @@ def smallest_budget(
         if size > best or not names:
             best, names = size, tuple(sorted(members))
     return fixed + best, fixed, best, names
+
+
+#: a streamable block for ``keep_blocks``: (component name, position in it, bytes)
+BlockSpec = tuple[str, int, int]
+
+
+def _double_buffer(sizes: Sequence[int]) -> int:
+    """Bytes of the two largest of ``sizes`` (what streams through the device at once)."""
+    return sum(sorted(sizes, reverse=True)[:2])
+
+
+def keep_blocks(blocks: Sequence[BlockSpec], calls: dict[str, int], room: int) -> list[int]:
+    """Which streamed blocks a layer-mode budget keeps resident (indices into ``blocks``).
+
+    Args:
+        blocks: every streamable block: ``(component, position, bytes)``.
+        calls: forward calls per component in one request (a component missing: 0).
+        room: the budget minus the bytes that always stay on the device (trunks,
+            resident layers, unselected components), in bytes.
+
+    The kept blocks plus the two largest blocks left streaming (the running block and
+    the prefetch) fit in ``room``. H2D per request, ``sum(calls x bytes)`` of the blocks
+    left streaming, is minimised first: blocks are taken by calls per request, then by
+    bytes, as many of each (calls, bytes) class as fit (exact when a component's blocks
+    are equal in size, as in every DiT and text encoder the built-in table knows); a
+    block that never runs is never kept. Ties (a class that fits only in part) spread
+    the kept blocks: round-robin over the class's components, then evenly over each
+    component's positions, so that every streamed block's copy has the compute of the
+    blocks before it to hide behind. Deterministic: the same inputs give the same
+    blocks (the planner predicts with it, ``planner/plan.py``).
+
+    Returns:
+        The indices of the kept blocks, ascending; [] when nothing fits beside the
+        double buffer.
+    """
+    classes: dict[tuple[int, int], list[int]] = {}
+    for i, (comp, _, nbytes) in enumerate(blocks):
+        n = calls.get(comp, 0)
+        if n > 0 and nbytes > 0:
+            classes.setdefault((n, nbytes), []).append(i)
+    streaming = [nbytes for _, _, nbytes in blocks]
+    used = 0
+    kept: list[int] = []
+    for (_, nbytes), members in sorted(classes.items(), key=lambda kv: (-kv[0][0], -kv[0][1])):
+        fit = 0
+        for _ in members:
+            rest = list(streaming)
+            rest.remove(nbytes)
+            if used + nbytes + _double_buffer(rest) > room:
+                break
+            streaming, used, fit = rest, used + nbytes, fit + 1
+        if fit:
+            kept += _spread([blocks[i] for i in members], members, fit)
+    return sorted(kept)
+
+
+def _spread(specs: Sequence[BlockSpec], indices: Sequence[int], count: int) -> list[int]:
+    """``count`` of ``indices`` (blocks of equal calls and bytes): round-robin over their
+    components (in order of first appearance), evenly over each one's positions."""
+    by_comp: dict[str, list[int]] = {}
+    for (comp, _, _), i in sorted(zip(specs, indices), key=lambda si: (si[0][1], si[1])):
+        by_comp.setdefault(comp, []).append(i)
+    order = list(dict.fromkeys(comp for comp, _, _ in specs))
+    share = dict.fromkeys(order, 0)
+    left = count
+    while left:
+        for comp in order:
+            if left and share[comp] < len(by_comp[comp]):
+                share[comp] += 1
+                left -= 1
+    out: list[int] = []
+    for comp in order:
+        members, k = by_comp[comp], share[comp]
+        out += [members[int((j + 0.5) * len(members) / k)] for j in range(k)]
+    return out
 
 
 class MemoryPolicy:

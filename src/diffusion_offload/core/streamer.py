@@ -153,6 +153,13 @@ class BlockStreamer:
         successor: call key -> the call key that followed it, as last observed.
         cycle_start: the first call observed (a request's start).
         retries: forwards retried after a device out-of-memory error.
+        kept: blocks a layer-mode budget keeps on the device once loaded (never released,
+            never prefetched again; ``choose_kept`` picks them at every request's start).
+        choose_kept: ``calls -> blocks to keep``, called at the start of every request
+            after the first with the forward calls per component of the request observed
+            (None: no budget, nothing kept).
+        wasted_prefetches, wasted_bytes: prefetched blocks (and their bytes) released
+            without having run: a guess that was wrong, or a block a cache skipped.
     """
 
     def __init__(
@@ -172,6 +179,12 @@ class BlockStreamer:
         self.successor: dict[CallKey, CallKey] = {}
         self.cycle_start: CallKey | None = None
         self.retries = 0
+        self.kept: set[StreamedBlock] = set()
+        self.choose_kept: Callable[[dict[str, int]], set[StreamedBlock]] | None = None
+        self.wasted_prefetches = 0
+        self.wasted_bytes = 0
+        self._unused: StreamedBlock | None = None  # the prefetch, until it runs
+        self._skipping: set[str] = set()  # components whose running call skipped a block
         self._call: CallKey | None = None  # the call running now, or the last one
         self._trace: dict[str, list[StreamedBlock]] = {}  # blocks run so far by each running call
         self._synchronous = 0  # > 0 during an out-of-memory retry: no prefetch
@@ -255,9 +268,14 @@ class BlockStreamer:
                     self.successor[self._call] = key
                 if self.cycle_start is None:
                     self.cycle_start = key
+                elif key == self.cycle_start and self.choose_kept is not None:
+                    calls = self._request_calls()
+                    if calls is not None:
+                        self.kept = self.choose_kept(calls)
                 self._call = key
             if component in self.sequences:
                 self._trace[component] = []
+                self._skipping.discard(component)
                 self._drop_stack(component)
                 first = self._first(component)
                 self._sweep(keep=first)
@@ -286,8 +304,10 @@ class BlockStreamer:
         with self.lock:
             if component in self.sequences:
                 trace = self._trace.pop(component, None)
-                if completed and trace is not None:
-                    self.order[component] = trace
+                skipped = component in self._skipping
+                self._skipping.discard(component)
+                if completed and trace is not None and not skipped:
+                    self.order[component] = trace  # a call a cache cut short keeps the order
                 self._drop_stack(component)
                 if completed and not self.stack:
                     self._repredict(component)
@@ -369,7 +389,7 @@ class BlockStreamer:
         running = {id(b) for b, _ in self.stack}
         failure: BaseException | None = None
         for block in self.on_device():
-            if id(block) in running or block is keep or block is self.prefetched:
+            if id(block) in running or block is keep or block is self.prefetched or block in self.kept:
                 continue
             try:
                 self._release(block)
@@ -386,6 +406,7 @@ class BlockStreamer:
         device, empty the cache."""
         with self.lock:
             self.retries += 1
+            self.kept = set()  # the budget's blocks go too (chosen again at the next request)
             self._drop_stack(component)
             self._drop_prefetch()
             self._sweep(keep=None)
@@ -420,7 +441,9 @@ class BlockStreamer:
             pos = len(trace)
             trace.append(block)
             self._last_block = block
-            nxt = self._next(block, pos)
+            nxt = self._ahead(block, pos)
+            if block is self._unused:
+                self._unused = None
             if block is self.prefetched:
                 self._wait(block)
                 self.prefetched = None
@@ -450,12 +473,31 @@ class BlockStreamer:
                 if self.stack[i][0] is block:
                     pos = self.stack.pop(i)[1]
                     break
-            if any(b is block for b, _ in self.stack) or not block.on_device or block is self.prefetched:
+            if (
+                any(b is block for b, _ in self.stack)
+                or not block.on_device
+                or block is self.prefetched
+                or block in self.kept
+            ):
                 return
             if pos is not None and self._next(block, pos) is block and self.prefetched is None:
                 self.prefetched = block  # it runs again at once: keep it
                 return
             self._release(block)
+
+    def skip(self, block: StreamedBlock) -> None:
+        """Block ``block``'s forward is called but its body will not run (a cache returns
+        the cached output): it is neither loaded nor prefetched. A prefetch of it is
+        dropped (counted in ``wasted_prefetches``) and the next call's first block is
+        prefetched instead; the call does not replace the learned order."""
+        with self.lock:
+            self._skipping.add(block.component)
+            if block is not self.prefetched:
+                return
+            self._drop_prefetch()
+            nxt = self._next_call(block.component)
+            if nxt is not None and not nxt.on_device and self._prefetching:
+                self._prefetch(nxt)
 
     def quiesce(self) -> None:
         """Order the current stream after any copy in flight, and record the blocks'
@@ -489,6 +531,40 @@ class BlockStreamer:
         if block.index + 1 < len(seq):
             return seq[block.index + 1]
         return self._next_call(block.component)
+
+    def _ahead(self, block: StreamedBlock, pos: int) -> StreamedBlock | None:
+        """The block to prefetch while ``block`` (the ``pos``-th of its call) runs: the
+        next one, past the kept blocks already on the device that follow it in the
+        learned order (so a streamed copy hides behind their compute too)."""
+        nxt = self._next(block, pos)
+        order = self.order.get(block.component) or []
+        while (
+            nxt is not None
+            and nxt in self.kept
+            and nxt.on_device
+            and pos + 1 < len(order)
+            and order[pos + 1] is nxt
+        ):
+            pos += 1
+            nxt = self._next(nxt, pos)
+        return nxt
+
+    def _request_calls(self) -> dict[str, int] | None:
+        """Forward calls per component in one request, following the successors from
+        the request's first call back to it (None: no whole request observed yet)."""
+        start = self.cycle_start
+        if start is None:
+            return None
+        calls = {start[0]: 1}
+        key = self.successor.get(start)
+        for _ in range(len(self.successor)):
+            if key is None:
+                return None
+            if key == start:
+                return calls
+            calls[key[0]] = calls.get(key[0], 0) + 1
+            key = self.successor.get(key)
+        return None
 
     def _next_call(self, component: str) -> StreamedBlock | None:
         """The first block of the call expected after the current one of ``component``,
@@ -541,6 +617,7 @@ class BlockStreamer:
     def _prefetch(self, block: StreamedBlock) -> None:
         self._load(block, self.copy_stream)
         self.prefetched = block
+        self._unused = block
         self.stats.prefetches += 1
 
     def _drop_prefetch(self) -> None:
@@ -551,7 +628,13 @@ class BlockStreamer:
             return
         if block.on_device:
             self._wait(block)
-            self._release(block)
+            if block not in self.kept:  # a kept block stays, prefetched or not
+                self._release(block)
+                if block is self._unused:
+                    self.wasted_prefetches += 1
+                    self.wasted_bytes += block.nbytes
+        if block is self._unused:
+            self._unused = None
         self.prefetched = None
 
     def _load(self, block: StreamedBlock, stream: Any) -> None:

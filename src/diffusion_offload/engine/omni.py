@@ -26,9 +26,11 @@ from ..models.files import ModelInfo, inspect_model, resolve_model
 from .params import GenerationOutput, SamplingParams
 from .trace import TraceRecorder
 
-__all__ = ["Omni", "build_omni", "parse_dtype", "pick_device"]
+__all__ = ["Omni", "build_omni", "check_peft", "parse_dtype", "pick_device"]
 
 logger = logging.getLogger("diffusion_offload")
+
+AUTO_PREFIX = "diffusion_offload_config='auto': "  # how the planner's FitError starts
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -54,8 +56,8 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     """The device to run on.
 
     ``None`` picks the first available of cuda, xpu, npu, mps, then the fake accelerator
-    if installed, else ``cpu`` (logged once: offload is a no-op there). ``"fakegpu"``
-    installs the fake accelerator.
+    if installed, else ``cpu`` (logged; ``Omni`` says once that an offload config is a
+    no-op there). ``"fakegpu"`` installs the fake accelerator.
 
     Raises:
         ValueError: an unknown device string.
@@ -92,7 +94,7 @@ def pick_device(device: str | torch.device | None) -> torch.device:
 
     if fake_accelerator.is_installed():
         return normalize_device("fakegpu")
-    logger.info("no accelerator found: running on the CPU, where offload is a no-op")
+    logger.info("no accelerator found: running on the CPU")  # Omni says when offload is a no-op
     return torch.device("cpu")
 
 
@@ -197,11 +199,16 @@ class Omni:
         layer_blocks: layer mode: block container paths per component name, overriding
             the built-in table (``{"transformer": ["blocks"]}``). See
             ``LayerwiseOffloadBackend``.
-        plan_shape: with ``"auto"``: the request to plan for, keys ``height``, ``width``
-            (pixels), ``num_frames``, ``num_inference_steps``; a missing key takes the
-            model's default.
-        device_memory_budget: module mode: bytes of weights that may stay resident,
-            ``"auto"``, or None (the strict rule). See ``diffusion_offload.core.policy``.
+        plan_shape: the request to plan for (with ``"auto"``, and for the fit check's
+            advice when a config does not fit), keys ``height``, ``width`` (pixels),
+            ``num_frames``, ``num_inference_steps``; a missing key takes the model's default.
+        device_memory_budget: bytes of weights that may stay resident, ``"auto"``, or
+            None (module mode: the strict rule; layer mode: trunks and two blocks). See
+            ``diffusion_offload.core.policy`` and ``LayerwiseOffloadBackend``.
+            ``omni.device_memory_budget`` is the budget run (with ``"auto"``: its pick).
+        loras: ``(path or hub id, scale)`` pairs, loaded after offload is enabled with
+            diffusers' ``load_lora_weights`` (adapters ``lora_0``, ``lora_1``, ...) and
+            activated together with ``set_adapters`` at their scales; needs peft.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -215,6 +222,8 @@ class Omni:
         FitError: the device cannot hold the config's resting footprint; with ``"auto"``:
             no candidate's predicted peak fits (the message names the smallest need).
         NotImplementedError: ``layer_options`` asks for ``weight_transfer="allgather"``.
+        ImportError: ``loras`` without peft installed (names the ``lora`` extra).
+        ValueError: a LoRA that cannot be loaded (names it) or a pipeline without LoRA support.
     """
 
     def __init__(
@@ -233,6 +242,7 @@ class Omni:
         layer_blocks: Mapping[str, Sequence[str]] | None = None,
         plan_shape: Mapping[str, int | None] | None = None,
         device_memory_budget: int | str | None = None,
+        loras: Sequence[tuple[str, float]] = (),
     ) -> None:
         start = time.perf_counter()
         self._lock = threading.RLock()
@@ -243,11 +253,6 @@ class Omni:
         self.config = None if auto else parse_diffusion_offload_config(
             diffusion_offload_config, enable_cpu_offload=enable_cpu_offload
         )
-        if device_memory_budget is not None and self.config is not None and self.config.mode == "layer":
-            raise ValueError(
-                "device_memory_budget applies to mode='module'; layer mode keeps only its "
-                "trunks and two blocks on the device (use layer_options.resident_layers to keep more)"
-            )
         dtype_choice = parse_dtype(dtype)
         self.device = pick_device(device)
         self.platform: Platform = platform_for(self.device)
@@ -262,12 +267,14 @@ class Omni:
                 plan_shape, layer_blocks, budget=device_memory_budget is None)
             if picked_budget is not None:
                 device_memory_budget = picked_budget
+        self.device_memory_budget = device_memory_budget  # as run: auto's pick included
         self.footprint: Footprint | None = None
         if not self.platform.is_noop:
             free = self.platform.memory_stats().free_bytes
             self.footprint = check_fit(
                 self.info, self.config, torch.tensor([], dtype=self.dtype).element_size(), free,
                 self.platform.supports_pinning, self.component_roles, layer_blocks,
+                advise=lambda: self._planned_advice(free, plan_shape, layer_blocks),
             )
         elif self.config is not None:
             logger.info("device is cpu: the offload config is accepted but offload is a no-op")
@@ -287,6 +294,7 @@ class Omni:
                     layer_blocks=layer_blocks,
                     component_roles=self.component_roles,
                     max_pinned_bytes=max_pinned_bytes,
+                    device_memory_budget=device_memory_budget,
                 )
             else:
                 self.backend = ModelLevelOffloadBackend(
@@ -299,6 +307,7 @@ class Omni:
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:
             self.pipeline.to(self.device)
+        self._load_loras(loras)  # while offloaded: picked up at the next activation
         from ..core.discovery import discover_components
 
         roles = {c.name: (c.module, c.role) for c in discover_components(self.pipeline, self.component_roles)}
@@ -316,8 +325,29 @@ class Omni:
                     streamer.listeners.append(self.tracer.on_block)
         self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
         self.load_seconds = time.perf_counter() - start
+        self._load_reported = False
 
     # ------------------------------------------------------------------ helpers
+
+    def _load_loras(self, loras: Sequence[tuple[str, float]]) -> None:
+        """Load each ``(path, scale)`` with diffusers' ``load_lora_weights`` (adapters
+        ``lora_0``, ``lora_1``, ...) and activate them all with their scales."""
+        if not loras:
+            return
+        cls = type(self.pipeline).__name__
+        if not hasattr(self.pipeline, "load_lora_weights"):
+            raise ValueError(f"lora: {cls} takes no LoRA weights (it has no load_lora_weights)")
+        check_peft()
+        names = []
+        for i, (path, _scale) in enumerate(loras):
+            name = f"lora_{i}"
+            try:
+                self.pipeline.load_lora_weights(path, adapter_name=name)
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                message = " ".join(str(exc).split())
+                raise ValueError(f"lora {path!r} cannot be loaded into {cls}: {message}") from None
+            names.append(name)
+        self.pipeline.set_adapters(names, adapter_weights=[float(scale) for _, scale in loras])
 
     def _auto_config(self, shape: Mapping[str, int | None] | None,
                      layer_blocks: Mapping[str, Sequence[str]] | None,
@@ -333,12 +363,37 @@ class Omni:
             self.info.path, device_kind=self.device.type,
             free_bytes=self.platform.memory_stats().free_bytes, dtype=self.dtype,
             variant=self.variant, component_roles=self.component_roles, shape=shape,
-            modes=("module", "layer") if budget else ("module",), layer_blocks=layer_blocks,
+            modes=("module", "layer"), layer_blocks=layer_blocks,
             budget=budget,
         )
         self.plan_choice = choice.row
         logger.info(choice.message)
         return choice.config, choice.budget
+
+    def _planned_advice(self, free: int, shape: Mapping[str, int | None] | None,
+                        layer_blocks: Mapping[str, Sequence[str]] | None) -> str | None:
+        """The fit check's suggestion from the planner's predicted peaks (what ``auto``
+        would run at ``shape``, or that nothing fits); None when the planner cannot plan
+        this model (the resting-footprint suggestion is used then)."""
+        from ..models.fit import FitError
+        from ..planner.auto import auto_config
+
+        try:
+            choice = auto_config(
+                self.info.path, device_kind=self.device.type, free_bytes=free, dtype=self.dtype,
+                variant=self.variant, component_roles=self.component_roles, shape=shape,
+                modes=("module", "layer"), layer_blocks=layer_blocks,
+            )
+        except FitError as exc:
+            return f"the planner predicts that {str(exc).removeprefix(AUTO_PREFIX)}"
+        except Exception:  # noqa: BLE001 - advice only: fall back to the resting footprints
+            logger.debug("the planner could not advise on the fit", exc_info=True)
+            return None
+        flags = f"--diffusion-offload-config '{choice.config.to_json()}'" if choice.config else "no offload"
+        if choice.budget is not None:
+            flags += f" --device-memory-budget {choice.budget}B"
+        return (f"try {flags} (the planner's pick '{choice.row.name}': predicted peak "
+                f"{choice.row.peak_bytes} bytes)")
 
     def _check_roles(self, roles: Mapping[str, str] | None) -> dict[str, str] | None:
         if roles is None:
@@ -465,7 +520,10 @@ class Omni:
             else:
                 images.append(result.images[0])
         total = time.perf_counter() - request_start
-        timings = {"load": self.load_seconds, **timings, "total": total}
+        timings["total"] = total
+        if not self._load_reported:  # the load belongs to the first request only
+            self._load_reported = True
+            timings = {"load": self.load_seconds, **timings}
         peak = self.platform.memory_stats().peak_bytes
         return GenerationOutput(
             prompt=prompt,
@@ -505,6 +563,16 @@ class Omni:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def check_peft() -> None:
+    """Raise ``ImportError`` naming the ``lora`` extra when peft (which diffusers' LoRA
+    loading needs) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ImportError("loading a LoRA needs peft, which is not installed; install it with "
+                          "pip install 'diffusion_offload[lora]'")
 
 
 def build_omni(model: str | Path, config: Any, *, variant: str | None = None,

@@ -70,8 +70,10 @@ class GenerationOutput:
         prompt: the prompt text.
         images: PIL images (image pipelines), else None.
         frames: videos, each a list of PIL frames (video pipelines), else None.
-        timings: seconds: ``load`` (the engine's load time), ``text_encoding``,
-            ``denoising``, ``decoding``, ``total`` (this prompt's request).
+        timings: seconds: ``text_encoding``, ``denoising``, ``decoding``, and ``total``
+            (this request's wall time: the stages and what lies between them, the load
+            excluded); ``load`` (the engine's load time, also ``Omni.load_seconds``) only
+            in the first request's outputs.
         peak_device_memory_bytes: peak device bytes during this request (reset per request).
         offload_stats: weight moves of this request from the engine's own counters:
             ``h2d_bytes``, ``d2h_bytes``, ``loads``, ``evictions``, ``transfer_seconds``.

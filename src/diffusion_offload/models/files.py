@@ -17,9 +17,13 @@ from pathlib import Path
 import diffusers
 
 __all__ = [
-    "ModelError", "ModelInfo", "folder_or_hub_id", "inspect_model", "resolve_model",
+    "ModelError", "ModelInfo", "check_model_index", "folder_or_hub_id", "hub_error", "inspect_model",
+    "resolve_model",
     "safetensors_numels", "safetensors_tensors", "weight_files",
 ]
+
+# libraries whose components with a config.json load weights, and their weight file stems
+_WEIGHTED = {"diffusers": "diffusion_pytorch_model", "transformers": "model"}
 
 # bytes per element of the safetensors dtype names
 _DTYPE_BYTES = {
@@ -108,11 +112,29 @@ def resolve_model(model: str | os.PathLike) -> Path:
     try:
         return Path(snapshot_download(text, local_files_only=bool(HF_HUB_OFFLINE)))
     except Exception as exc:  # huggingface_hub raises several error types
-        where = "in the local Hugging Face cache (HF_HUB_OFFLINE=1)" if HF_HUB_OFFLINE else "on the hub"
-        raise ModelError(
-            f"model {text!r} is not a local directory and was not found {where}: "
-            f"{type(exc).__name__}"
-        ) from None
+        raise ModelError(hub_error(text, exc, bool(HF_HUB_OFFLINE))) from None
+
+
+def hub_error(model: str, exc: BaseException, offline: bool) -> str:
+    """Why hub id ``model`` could not be had, in one line with what to do: offline (not in
+    the local cache), gated, unknown on the hub, or not cached and the hub unreachable."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    start = f"model {model!r} is not a local directory"
+    if offline:
+        return (f"{start} and was not found in the local Hugging Face cache (HF_HUB_OFFLINE=1 "
+                f"keeps the hub out); download it first with `hf download {model}`, or pass a "
+                "pipeline folder")
+    if isinstance(exc, GatedRepoError):
+        return (f"{start}, and it is gated on the hub: accept its terms on huggingface.co and log "
+                "in with `hf auth login`")
+    if isinstance(exc, RepositoryNotFoundError):
+        return (f"{start} and was not found on the hub (a typo, or a private repo: log in with "
+                "`hf auth login`)")
+    reason = " ".join(str(exc).split()).split(" An error happened")[0][:120]
+    return (f"{start}, is not in the local Hugging Face cache, and the hub could not be reached "
+            f"({type(exc).__name__}{': ' + reason if reason else ''}); connect to the network, or "
+            f"download it first with `hf download {model}`")
 
 
 def weight_files(path: Path, variant: str | None = None) -> dict[str, list[Path]]:
@@ -221,6 +243,30 @@ def safetensors_numels(files: list[Path]) -> dict[str, int]:
     return out
 
 
+def check_model_index(index: Mapping[str, Any], index_file: Path) -> None:
+    """Every component entry of ``model_index.json``: a plain folder name (nothing is read
+    outside the model folder) and ``[library, class]`` as two strings (or two nulls: an
+    absent optional component).
+
+    Raises:
+        ModelError: naming the file, the entry and what is allowed.
+    """
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list):
+            continue
+        if (not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name
+                or Path(name).is_absolute()):
+            raise ModelError(
+                f"{str(index_file)!r}: component {name!r} is not a folder name of the model "
+                "(no '/', '\\' or '..'); nothing outside the model folder is read"
+            )
+        if len(value) != 2 or not (all(isinstance(v, str) for v in value) or value == [None, None]):
+            raise ModelError(
+                f"{str(index_file)!r}: component {name!r} must be [library, class] as two "
+                f"strings, e.g. [\"diffusers\", \"AutoencoderKLWan\"], got {json.dumps(value)}"
+            )
+
+
 def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
     """Read ``model_index.json`` and the safetensors headers under ``path``.
 
@@ -229,7 +275,8 @@ def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
     Raises:
         ModelError: no or invalid ``model_index.json``, a pipeline class diffusers does
             not have, one that is not text-to-image/video (needs an input image), no
-            files of ``variant``, or a truncated, corrupt or unreadable weight file.
+            files of ``variant``, a model component without its weight file (named), or a
+            truncated, corrupt or unreadable weight file.
     """
     path = Path(path)
     index = path / "model_index.json"
@@ -240,6 +287,7 @@ def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
         class_name = spec["_class_name"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ModelError(f"{str(index)!r} is not a valid model_index.json ({exc})") from None
+    check_model_index(spec, index)
     cls = getattr(diffusers, str(class_name), None)
     if cls is None or not hasattr(cls, "__call__") or not isinstance(cls, type):
         raise ModelError(f"pipeline class {class_name!r} is not a diffusers pipeline")
@@ -262,6 +310,17 @@ def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
             continue
         components[name] = (str(value[0]), str(value[1]))
     files = weight_files(path, variant)
+    for name, (library, _cls) in components.items():
+        folder = path / name
+        if name not in files and (folder / "config.json").is_file() and library in _WEIGHTED:
+            if any(f.suffix in (".bin", ".pt", ".pth", ".ckpt") for f in folder.iterdir()):
+                continue  # pickled weights: diffusers reads them, their sizes are unknown here
+            stem = _WEIGHTED[library] + (f".{variant}" if variant else "")
+            raise ModelError(
+                f"component {name!r} has no weight file: {str(folder / (stem + '.safetensors'))!r} "
+                f"(or the shards of {stem}.safetensors.index.json) is missing; download the "
+                "model again"
+            )
     for name in components:
         counts = safetensors_numels(files.get(name, []))
         if counts:

@@ -16,7 +16,7 @@ headers, grouped by the block containers of ``blocks.block_attrs``.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.config import DiffusionOffloadConfig, parse_diffusion_offload_config
@@ -164,8 +164,9 @@ def footprint(
         return _layer_footprint(info, config, sizes, roles, dtype_bytes, pin_supported, layer_blocks)
     moving = {n for n, r in roles.items() if config.offloads_role(r)}
     resident = sum(s for n, s in sizes.items() if n not in moving)
-    groups = [(n,) for n in moving if roles[n] == "dit"]
-    encoders = tuple(n for n in moving if roles[n] != "dit")
+    adapters = tuple(n for n in moving if roles[n] == "adapter")  # they join each DiT's group
+    groups = [(n, *adapters) for n in moving if roles[n] == "dit"]
+    encoders = tuple(n for n in moving if roles[n] not in ("dit", "adapter"))
     if encoders:
         groups.append(encoders)
     largest: tuple[str, ...] = max(groups, key=lambda g: sum(sizes[n] for n in g), default=())
@@ -190,11 +191,13 @@ def check_fit(
     pin_supported: bool,
     component_roles: Mapping[str, str] | None = None,
     layer_blocks: Mapping[str, Sequence[str]] | None = None,
+    advise: Callable[[], str | None] | None = None,
 ) -> Footprint:
     """Return the footprint, or raise ``FitError`` if it exceeds ``free_bytes``.
 
-    The error gives the bytes needed and the bytes free, and suggests the first config
-    (fewest components moved) that would fit, or says that none does.
+    The error gives the bytes needed and the bytes free, and a suggestion: ``advise()``'s
+    (the engine passes the planner's, from predicted peaks) when it gives one, else the
+    first config (fewest components moved) whose resting footprint fits, or that none does.
 
     Raises:
         FitError: the resting device bytes exceed ``free_bytes``.
@@ -202,6 +205,20 @@ def check_fit(
     need = footprint(info, config, dtype_bytes, pin_supported, component_roles, layer_blocks)
     if free_bytes is None or need.device_bytes <= free_bytes:
         return need
+    suggestion = advise() if advise is not None else None
+    if suggestion is None:
+        suggestion = _resting_suggestion(info, dtype_bytes, free_bytes, pin_supported, component_roles)
+    current = config.to_json() if config is not None else "no offload"
+    raise FitError(
+        f"model does not fit: config {current} needs {need.device_bytes} bytes of device "
+        f"memory at rest ({'largest group' if config is None or config.mode == 'module' else 'trunks, two largest blocks'} "
+        f"{list(need.largest_group)} plus residents) but "
+        f"only {free_bytes} bytes are free; {suggestion}"
+    )
+
+
+def _resting_suggestion(info: ModelInfo, dtype_bytes: int | None, free_bytes: int,
+                        pin_supported: bool, component_roles: Mapping[str, str] | None) -> str:
     suggestion = "no offload config fits: not even layer mode's trunks and two blocks"
     for candidate in _CANDIDATES:
         parsed = parse_diffusion_offload_config(candidate)
@@ -212,10 +229,4 @@ def check_fit(
                 f"(needs {alt.device_bytes} bytes on the device)"
             )
             break
-    current = config.to_json() if config is not None else "no offload"
-    raise FitError(
-        f"model does not fit: config {current} needs {need.device_bytes} bytes of device "
-        f"memory at rest ({'largest group' if config is None or config.mode == 'module' else 'trunks, two largest blocks'} "
-        f"{list(need.largest_group)} plus residents) but "
-        f"only {free_bytes} bytes are free; {suggestion}"
-    )
+    return suggestion

@@ -40,6 +40,11 @@ class ModelRules:
             ``num_inference_steps``, and ``num_frames`` for video models; a value is None
             where neither a make-tiny marker nor the pipeline's signature gives one.
         tiny_kind: the make-tiny kind of the folder, or None.
+        max_side: largest height and width (pixels) the transformer's position table
+            covers, or None (no such limit in its config).
+        max_frames: most frames it covers, or None.
+        limit_source: where ``max_side``/``max_frames`` come from, for messages
+            (``"its transformer's rope_max_seq_len of 32"``).
     """
 
     pipeline_class: str
@@ -48,6 +53,9 @@ class ModelRules:
     frame_step: int | None
     defaults: dict[str, int | None] = field(default_factory=dict)
     tiny_kind: str | None = None
+    max_side: int | None = None
+    max_frames: int | None = None
+    limit_source: str = ""
 
     def check(self, values: Mapping[str, int | None], names: Mapping[str, str]) -> None:
         """Check ``height``/``width``/``num_frames`` in ``values`` against the rules.
@@ -69,7 +77,18 @@ class ModelRules:
                     f"a multiple of {m} (its VAE scale factor times its patch size), e.g. "
                     f"{lower} or {lower + m}"
                 )
+            if value is not None and self.max_side is not None and value > self.max_side:
+                raise ValueError(
+                    f"{names.get(key, key)} {value} is more than {self.pipeline_class} can "
+                    f"generate: {self.limit_source} allows at most {self.max_side} pixels"
+                )
         frames = values.get("num_frames")
+        if frames is not None and self.max_frames is not None and frames > self.max_frames:
+            raise ValueError(
+                f"{names.get('num_frames', 'num_frames')} {frames} is more than "
+                f"{self.pipeline_class} can generate: {self.limit_source} allows at most "
+                f"{self.max_frames} frames"
+            )
         if frames is not None:
             if not self.is_video:
                 raise ValueError(f"{names.get('num_frames', 'num_frames')}: {self.pipeline_class} "
@@ -118,13 +137,30 @@ def _patch(transformer: Mapping[str, Any]) -> int:
     return int(patch) if isinstance(patch, int) and patch > 0 else 1
 
 
+def _position_limits(transformer: Mapping[str, Any], size_multiple: int,
+                     frame_step: int | None) -> tuple[int | None, int | None, str]:
+    """``(max_side, max_frames, source)`` from a rotary table of ``rope_max_seq_len``
+    positions per axis (Wan and its family): each axis, in latent patches, must fit it."""
+    positions = transformer.get("rope_max_seq_len")
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        return None, None, ""
+    patch = transformer.get("patch_size")
+    patch_t = patch[0] if isinstance(patch, (list, tuple)) and len(patch) == 3 else 1
+    patch_t = patch_t if isinstance(patch_t, int) and patch_t > 0 else 1
+    max_frames = None
+    if frame_step:  # latent frames (num_frames - 1) // step + 1, in patches of patch_t
+        max_frames = (positions * patch_t - 1) * frame_step + 1
+    return positions * size_multiple, max_frames, f"its transformer's rope_max_seq_len of {positions}"
+
+
 def model_rules(info: ModelInfo) -> ModelRules:
     """The size rules and defaults of the pipeline ``info`` describes (no weight is read).
 
     ``size_multiple`` is the VAE's spatial scale factor (``scale_factor_spatial``, or
     ``2 ** (len(block_out_channels) - 1)``) times the transformer's spatial patch size
     (at least 2 for Flux and Qwen-Image, which pack 2x2 latents); ``frame_step`` is the
-    VAE's ``scale_factor_temporal``. Defaults come from the make-tiny marker
+    VAE's ``scale_factor_temporal``; ``max_side``/``max_frames`` from the transformer's
+    ``rope_max_seq_len`` (positions per axis, in latent patches). Defaults come from the make-tiny marker
     (``testing.tiny_pipelines.default_call_kwargs``) or else the pipeline ``__call__``'s
     signature, with ``default_sample_size * vae scale`` where the signature has None.
     """
@@ -164,7 +200,9 @@ def model_rules(info: ModelInfo) -> ModelRules:
         for key in ("height", "width"):
             if defaults[key] is None:
                 defaults[key] = side
-    return ModelRules(info.pipeline_class, info.is_video, scale * patch, frame_step, defaults, tiny)
+    max_side, max_frames, source = _position_limits(transformer, scale * patch, frame_step)
+    return ModelRules(info.pipeline_class, info.is_video, scale * patch, frame_step, defaults, tiny,
+                      max_side, max_frames, source)
 
 
 def frames_for_seconds(seconds: float, fps: int, frame_step: int | None) -> int:

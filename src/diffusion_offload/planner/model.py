@@ -42,7 +42,13 @@ from torch import nn
 
 from ..core.arena import device_bytes
 from ..core.discovery import diffusers_role
-from ..models.files import ModelError, folder_or_hub_id, safetensors_tensors, weight_files
+from ..models.files import (
+    ModelError,
+    check_model_index,
+    folder_or_hub_id,
+    safetensors_tensors,
+    weight_files,
+)
 
 __all__ = ["ComponentSize", "PlanModel", "configs_root", "load_plan_model", "shipped_models"]
 
@@ -151,7 +157,7 @@ def _locate(model: str | os.PathLike) -> tuple[Path, bool]:
     raise ModelError(
         f"model {text!r} is not a local directory, is not in the local Hugging Face cache and "
         f"has no shipped weightless config (shipped: {shipped_models()}); download it first "
-        f"(huggingface-cli download {text}) or pass a pipeline folder. The planner never "
+        f"(hf download {text}) or pass a pipeline folder. The planner never "
         "downloads weights"
     )
 
@@ -318,15 +324,21 @@ def _checkpoint_dtype(files: dict[str, list[Path]]) -> torch.dtype | None:
     names = [n for n in files if n.startswith(("transformer", "unet"))] or list(files)
     for name in names:
         for file in files[name]:
-            with safe_open(str(file), framework="numpy") as fh:
-                for key in fh.keys():
-                    piece = fh.get_slice(key)
-                    stored = str(piece.get_dtype())
-                    if stored in _SAFETENSORS_FLOATS:
-                        numel = 1
-                        for dim in piece.get_shape():
-                            numel *= int(dim)
-                        counts[stored] = counts.get(stored, 0) + numel
+            try:
+                with safe_open(str(file), framework="numpy") as fh:
+                    for key in fh.keys():
+                        piece = fh.get_slice(key)
+                        stored = str(piece.get_dtype())
+                        if stored in _SAFETENSORS_FLOATS:
+                            numel = 1
+                            for dim in piece.get_shape():
+                                numel *= int(dim)
+                            counts[stored] = counts.get(stored, 0) + numel
+            except Exception as exc:  # safetensors raises its own SafetensorError, OSError...
+                raise ModelError(
+                    f"weight file {str(file)!r} cannot be read: truncated or corrupt "
+                    f"({' '.join(str(exc).split())[:200]})"
+                ) from None
     if not counts:
         return None
     return _SAFETENSORS_FLOATS[max(counts, key=counts.get)]
@@ -426,6 +438,9 @@ def load_plan_model(
         pipeline_class = str(index["_class_name"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelError(f"{str(index_file)!r} is not a valid model_index.json ({exc})") from None
+    if not isinstance(index, dict):
+        raise ModelError(f"{str(index_file)!r} is not a valid model_index.json (not a JSON object)")
+    check_model_index(index, index_file)
     files = {} if weightless else weight_files(path, variant)
     load_dtype = resolve_dtype(dtype, files, index)
     roles = dict(component_roles or {})
@@ -436,11 +451,14 @@ def load_plan_model(
     for name, value in index.items():
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
             continue
-        library, class_name = str(value[0]), str(value[1])
+        library, class_name = value
         try:
             cls = getattr(importlib.import_module(library), class_name)
         except (ImportError, AttributeError):
-            continue
+            raise ModelError(
+                f"{str(index_file)!r}: component {name!r} is {library}.{class_name}, which is "
+                f"not available here (unknown class, or {library} not installed)"
+            ) from None
         if name == "scheduler" or class_name.endswith("Scheduler"):
             try:
                 scheduler = cls.from_config(cls.load_config(path / name))
@@ -470,6 +488,11 @@ def load_plan_model(
             params=_param_count(module),
             blocks=_blocks(module, (layer_blocks or {}).get(name)), source=source,
             tied_extra=_tied_extra(module),
+        )
+    if not any(c.role == "dit" for c in components.values()):
+        raise ModelError(
+            f"{str(index_file)!r} ({pipeline_class}) has no DiT or UNet component to plan for; "
+            f"its module components: {sorted(components) or 'none'}"
         )
     for name in roles:
         if name not in components:

@@ -30,6 +30,12 @@ Residency rules (SPEC sections 4 and 10):
   unselected components; every forward call of a selected component streams its other
   blocks host-to-device (prefetches the backend drops after a wrong guess, at most one
   block per change of component, are not counted).
+* **layer with a memory budget** (``device_memory_budget`` in layer mode): the budget is
+  ``device_memory`` minus the largest activation peak of a segment; beyond the trunks,
+  the unselected components and the double buffer, the blocks
+  ``core.policy.keep_blocks`` picks for the request's calls per component stay resident
+  (the backend runs the same function on the calls it observed), so they stream no
+  more.
 * **module with a memory budget** (``device_memory_budget``, when ``Omni`` takes it): the
   budget is ``device_memory`` minus the largest activation peak of a segment; a stage
   evicts selected components, farthest next use first, only until its group fits the
@@ -48,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.policy import BlockSpec, keep_blocks
 from ..units import human_bytes
 from .memory import DEVICE_KINDS
 from .model import ComponentSize, PlanModel, load_plan_model
@@ -108,7 +115,7 @@ class _Candidate:
     kind: str  # "resident", "module", "budget", "layer"
     selected: frozenset[str] = frozenset()
     resident_layers: int = 0
-    budget: int = 0
+    budget: int = 0  # "budget" and budgeted "layer" candidates: the device_memory_budget
 
 
 def _selectable(pm: PlanModel, roles: Sequence[str]) -> frozenset[str]:
@@ -133,10 +140,12 @@ def _module_candidates(pm: PlanModel) -> list[_Candidate]:
     return out
 
 
-def _budget_candidate(pm: PlanModel, report: StageReport, device_memory: int) -> _Candidate | None:
-    """Module mode (DiTs and text encoders) with ``device_memory_budget`` = the device
-    memory minus the largest activation peak of a segment, so that weights (which the
-    budget bounds) plus activations fit; at least what one stage needs resident."""
+def _budget_candidate(pm: PlanModel, report: StageReport, device_memory: int,
+                      given: int | None = None) -> _Candidate | None:
+    """Module mode (DiTs and text encoders) with ``device_memory_budget`` = ``given``, or
+    the device memory minus the largest activation peak of a segment, so that weights
+    (which the budget bounds) plus activations fit; at least what one stage needs
+    resident."""
     comps = pm.components
     sel = _selectable(pm, ("dit", "text_encoder"))
     if not any(comps[n].role == "dit" for n in sel):
@@ -145,7 +154,9 @@ def _budget_candidate(pm: PlanModel, report: StageReport, device_memory: int) ->
     encoders = {n for n in sel if comps[n].role != "dit"}
     groups = [pm.bytes_of(encoders)] + [comps[n].nbytes for n in sel if n not in encoders]
     least = fixed + max(groups)
-    budget = max(device_memory - max((p for _, p in report.segments), default=0), least)
+    if given is None:
+        given = device_memory - max((p for _, p in report.segments), default=0)
+    budget = max(given, least)
     config = {"mode": "module", "components": ["dit", "text_encoder"]}
     return _Candidate("module dit+text_encoder + budget",
                       {"diffusion_offload_config": config, "device_memory_budget": budget},
@@ -216,6 +227,38 @@ def _layer_candidate(pm: PlanModel, sel: tuple[str, ...], k: int) -> _Candidate:
                       "layer", _selectable(pm, sel), k)
 
 
+def _layer_budget_candidate(pm: PlanModel, report: StageReport, sel: tuple[str, ...],
+                            device_memory: int, budget: int | None) -> _Candidate:
+    """Layer mode with ``device_memory_budget`` = ``budget``, or the device memory minus the
+    largest activation peak of a segment; at least the trunks, the unselected components
+    and the two largest blocks."""
+    fixed, blocks = _layer_parts(pm, frozenset(_selectable(pm, sel)), 0)
+    least = fixed + sum(sorted((n for _, _, n in blocks), reverse=True)[:2])
+    if budget is None:
+        budget = device_memory - max((p for _, p in report.segments), default=0)
+    budget = max(budget, least)
+    config = {"mode": "layer", "components": list(sel)}
+    return _Candidate(f"layer {'+'.join(sel)} + budget",
+                      {"diffusion_offload_config": config, "device_memory_budget": budget},
+                      "layer", _selectable(pm, sel), budget=budget)
+
+
+def _layer_parts(pm: PlanModel, sel: frozenset[str], k: int) -> tuple[int, list[BlockSpec]]:
+    """``(bytes that always stay on the device, the streamed blocks)`` of layer mode with
+    ``resident_layers`` k: trunks, resident layers and unselected components; blocks as
+    ``(component, position, bytes)``."""
+    fixed = 0
+    blocks: list[BlockSpec] = []
+    for name, c in pm.components.items():
+        if name not in sel:
+            fixed += c.nbytes
+            continue
+        keep = k if c.role == "dit" else 0
+        fixed += c.nbytes - sum(c.blocks[keep:])
+        blocks += [(name, i, n) for i, n in enumerate(c.blocks[keep:])]
+    return fixed, blocks
+
+
 def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
           device_kind: str) -> tuple[int, int, int]:
     """``(resting, peak, h2d per request)`` of ``cand`` over the request's segments (bytes)."""
@@ -254,19 +297,14 @@ def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
 
 
 def _walk_layer(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[int, int, int]:
-    comps = pm.components
-    sel = cand.selected
-    blocks_all = sorted((b for n in sel for b in comps[n].blocks), reverse=True)
-    buffer = sum(blocks_all[:2])
-    weights = buffer
-    h2d = 0
-    for name, c in comps.items():
-        if name not in sel:
-            weights += c.nbytes
-            continue
-        keep = cand.resident_layers if c.role == "dit" else 0
-        weights += c.nbytes - sum(c.blocks) + sum(c.blocks[:keep])
-        h2d += report.calls.get(name, 0) * sum(c.blocks[keep:])
+    """Layer mode: the fixed bytes, the kept blocks (with a budget) and the two largest
+    streamed blocks at rest; every call streams its component's other blocks."""
+    fixed, blocks = _layer_parts(pm, cand.selected, cand.resident_layers)
+    kept = set(keep_blocks(blocks, report.calls, cand.budget - fixed)) if cand.budget else set()
+    streamed = [b for i, b in enumerate(blocks) if i not in kept]
+    weights = fixed + sum(blocks[i][2] for i in kept)
+    weights += sum(sorted((n for _, _, n in streamed), reverse=True)[:2])
+    h2d = sum(report.calls.get(name, 0) * n for name, _, n in streamed)
     peak = weights + max((p for _, p in report.segments), default=0)
     return weights, peak, h2d
 
@@ -278,10 +316,11 @@ def _row(pm: PlanModel, report: StageReport, cand: _Candidate, device_memory: in
 
 
 def _layer_rows(pm: PlanModel, report: StageReport, device_memory: int, bandwidth: float,
-                kind: str) -> list[PlanRow]:
+                kind: str, budget: int | None = None) -> list[PlanRow]:
     sel = _layer_selection(pm)
     if not sel:
         return []
+    budgeted = _layer_budget_candidate(pm, report, sel, device_memory, budget)
     most = min(len(c.blocks) for c in pm.components.values() if c.role == "dit")
     rows = [_row(pm, report, _layer_candidate(pm, sel, 0), device_memory, bandwidth, kind)]
     best = None
@@ -292,6 +331,7 @@ def _layer_rows(pm: PlanModel, report: StageReport, device_memory: int, bandwidt
         best = row
     if best is not None:
         rows.append(best)
+    rows.append(_row(pm, report, budgeted, device_memory, bandwidth, kind))
     return rows
 
 
@@ -339,17 +379,22 @@ def plan_model(
     *,
     device_kind: str = "cuda",
     h2d_bandwidth: float = DEFAULT_H2D_BANDWIDTH,
+    device_memory_budget: int | None = None,
 ) -> list[PlanRow]:
-    """The rows of an already loaded :class:`~.model.PlanModel` (see :func:`plan_offload`)."""
+    """The rows of an already loaded :class:`~.model.PlanModel` (see :func:`plan_offload`).
+
+    ``device_memory_budget``: the budget of the two budget rows (module and layer mode,
+    bytes; raised to the smallest workable one); None: ``device_memory`` minus the
+    largest activation peak."""
     report = measure_request(pm, request, device_kind)
     everything = _Candidate("all resident", {"diffusion_offload_config": None}, "resident")
     rows = [_row(pm, report, everything, device_memory, h2d_bandwidth, device_kind)]
     candidates = _module_candidates(pm)
-    budgeted = _budget_candidate(pm, report, device_memory)
+    budgeted = _budget_candidate(pm, report, device_memory, device_memory_budget)
     candidates += [budgeted] if budgeted is not None else []
     for cand in candidates:
         rows.append(_row(pm, report, cand, device_memory, h2d_bandwidth, device_kind))
-    rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind)
+    rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind, device_memory_budget)
     return rows
 
 
@@ -434,7 +479,8 @@ def plan_offload(
         One :class:`PlanRow` per candidate: all resident, module mode for each selection
         (``dit+text_encoder``, ``dit``, ``text_encoder``), module mode with a
         ``device_memory_budget`` (when ``Omni`` takes one), and, when layer mode exists,
-        layer mode with 0 resident layers and with the most resident layers that fit.
+        layer mode with 0 resident layers, with the most resident layers that fit and
+        with a ``device_memory_budget``.
 
     Raises:
         ModelError: the model cannot be found or read.

@@ -7,11 +7,13 @@ Endpoints (OpenAI's shapes; every error is ``{"error": {"message", "type", "para
   no key is set, also gets the list of replicas).
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model, its id as given on the
   command line.
-- ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs.
+- ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs, or
+  with ``response_format="url"`` ``data: [{url}]``, served by ``GET
+  /v1/images/{id}/{index}.png`` (kept like a video job: ``--job-ttl``, ``--max-stored-jobs``).
 - ``POST /v1/videos`` (JSON or multipart form) -> a queued video job; ``GET /v1/videos``,
   ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (the mp4; 409 until
-  completed), ``DELETE /v1/videos/{id}`` (cancel queued / delete finished; 409 while in
-  progress).
+  completed), ``DELETE /v1/videos/{id}`` (cancel queued or running, the latter at its next
+  step; delete finished).
 - ``GET /metrics``: Prometheus text format (see :mod:`.metrics`).
 
 Requests from other web pages are refused with 403 (foreign ``Origin``,
@@ -48,7 +50,8 @@ from fastapi import FastAPI
 from .metrics import MetricsMiddleware
 from .middleware import GuardMiddleware, InternalErrorMiddleware
 from .routes import add_routes
-from .state import BaseServerState, ServerSettings, ServerState
+from .connections import ConnectionLimits, protocol_class, resolve_max_connections
+from .state import SHUTDOWN_SETTLE, BaseServerState, ServerSettings, ServerState
 
 __all__ = ["ServerSettings", "ServerState", "build_app", "create_app", "serve"]
 
@@ -154,21 +157,31 @@ def serve(args: argparse.Namespace) -> int:
     Settings, offload config, dtype, device and model files (``--variant``, truncated or
     corrupt safetensors) are validated and the address is bound first: a bad one prints
     one line ``diffusion-offload: error: ...`` and returns 2, loading nothing. Then
-    the model loads in the background. SIGINT/SIGTERM stop new work, let the running job
-    finish for up to ``--shutdown-grace`` seconds, then mark it failed; temporary files
-    live in a private folder removed on exit. A model that fails to load in the
+    the model loads in the background; once listening, one line
+    ``serving MODEL at http://HOST:PORT`` goes to stdout. Connections are bounded and slow
+    clients cut off (:mod:`.connections`). SIGINT/SIGTERM stop new work, let the running
+    job finish for up to ``--shutdown-grace`` seconds, then mark it failed and exit within
+    :data:`~.state.SHUTDOWN_SETTLE` more seconds; a second signal marks it failed and exits
+    at once (status 130). Temporary files live in a private folder removed on exit. A model that fails to load in the
     background stops the server: status 2 when it is a user error (fit check, model
     files, bad value), else 1. A generation still running after the grace ends the
     process with ``os._exit`` once everything is answered and cleaned up (exiting the
     interpreter under native code would abort it).
     """
-    from ..cli_args import CliError, parse_config_args, quiet_libraries
+    from ..cli_args import CliError, check_lora_args, parse_config_args, quiet_libraries
 
     try:
         settings = ServerSettings.from_args(args)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
         config = parse_config_args(args)
+        check_lora_args(args)
+        limits = ConnectionLimits(
+            max_connections=resolve_max_connections(settings.max_connections),
+            timeout_keep_alive=settings.timeout_keep_alive,
+            timeout_headers=settings.timeout_headers,
+            timeout_body=settings.timeout_body,
+        )
     except (CliError, ValueError) as exc:
         return fail(str(exc))
 
@@ -192,7 +205,9 @@ def serve(args: argparse.Namespace) -> int:
     variant = getattr(args, "variant", None)
     pinned = getattr(args, "max_pinned_memory", None)
     budget = getattr(args, "device_memory_budget", None)
-    extra = {} if budget is None else {"device_memory_budget": budget}
+    extra: dict[str, Any] = {} if budget is None else {"device_memory_budget": budget}
+    if getattr(args, "lora", None):
+        extra["loras"] = [tuple(lora) for lora in args.lora]
 
     def factory() -> Any:
         return build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned,
@@ -211,9 +226,14 @@ def serve(args: argparse.Namespace) -> int:
                 port=sock.getsockname()[1],
                 lifespan="on",
                 log_level="info",
-                timeout_graceful_shutdown=settings.shutdown_grace + 5.0,
+                http=protocol_class(limits),
+                timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]
+                # requests waiting on the running job are answered when the grace ends
+                timeout_graceful_shutdown=settings.shutdown_grace + SHUTDOWN_SETTLE,  # type: ignore[arg-type]
             ),
             state,
+            url=f"http://{_url_host(args.host)}:{sock.getsockname()[1]}",
+            on_force_exit=lambda: shutil.rmtree(tmp, ignore_errors=True),
         )
 
         def stop_serving() -> None:
@@ -232,7 +252,7 @@ def serve(args: argparse.Namespace) -> int:
             error = state.load_error
             user_error = (FitError, ModelError, ValueError, TypeError, NotImplementedError, OSError)
             status = 2 if isinstance(error, user_error) else 1
-        stuck = not state.jobs.join(timeout=5.0) or state.loading
+        stuck = not state.jobs.join(timeout=0.0) or state.loading
     finally:
         tempfile.tempdir = previous_tmp
         shutil.rmtree(tmp, ignore_errors=True)
@@ -247,32 +267,64 @@ def serve(args: argparse.Namespace) -> int:
     return status
 
 
+def _url_host(host: str) -> str:
+    """``host`` as written in a URL (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, with SIGINT/SIGTERM starting the graceful shutdown.
+    """uvicorn's server, printing its address once listening, with SIGINT/SIGTERM starting
+    the graceful shutdown.
 
     The first signal stops new work at once (503) and starts the running job's grace
     period; uvicorn then closes the listener and waits for open requests, and the app's
     lifespan waits for the worker. Unlike uvicorn's default, the signal is not re-raised
-    afterwards, so ``serve`` returns 0; a second SIGINT forces the exit.
+    afterwards, so ``serve`` returns 0. A second SIGINT or SIGTERM marks the running job
+    failed, calls ``on_force_exit`` (cleanup) and ends the process at once (status 130).
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, url: str,
+                 on_force_exit: Any = None) -> None:
         super().__init__(config)
         self._state = state
+        self._url = url
+        self._on_force_exit = on_force_exit
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, then one line ``serving MODEL at http://HOST:PORT`` on stdout."""
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(f"serving {self._state.settings.model_id} at {self._url}", flush=True)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        """Begin the graceful shutdown (signal handler; returns at once)."""
-        if not self.should_exit:
-            self._state.shutting_down = True
-            threading.Thread(
-                target=self._state.begin_shutdown, name="diffusion-offload-shutdown", daemon=True
-            ).start()
+        """Begin the graceful shutdown, or on a second signal exit now (signal handler)."""
+        name = signal.Signals(sig).name
+        if self.should_exit:
+            self._exit_now(name)
+            return
+        self._state.shutting_down = True
+        grace = self._state.settings.shutdown_grace
+        running = self._state.jobs.running
+        if running is not None:
             logger.info(
-                "received %s: finishing the running job (up to %g s), then exiting",
-                signal.Signals(sig).name,
-                self._state.settings.shutdown_grace,
+                "received %s: job %s may finish for up to %g s (--shutdown-grace), then it is "
+                "marked failed and the server exits within %g s; %s again exits now",
+                name, running.id, grace, grace + SHUTDOWN_SETTLE, name,
             )
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
         else:
-            self.should_exit = True
+            logger.info("received %s: no job running; exiting", name)
+        threading.Thread(
+            target=self._state.begin_shutdown, name="diffusion-offload-shutdown", daemon=True
+        ).start()
+        self.should_exit = True
+
+    def _exit_now(self, name: str) -> None:
+        for job in self._state.jobs.abandon_running(f"the server was stopped by a second {name}"):
+            logger.error("job %s marked failed: the server was stopped by a second %s", job.id, name)
+        logger.warning("received %s again: exiting now", name)
+        if self._on_force_exit is not None:
+            self._on_force_exit()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)

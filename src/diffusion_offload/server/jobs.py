@@ -7,8 +7,8 @@ started in arrival order.) ``max_queue`` bounds the jobs
 *waiting* (the running one is not counted); :meth:`JobManager.submit` raises
 :class:`QueueFull` beyond it.
 
-States: ``queued -> in_progress -> completed | failed``. A queued job can be cancelled
-(it never runs). On shutdown, :meth:`JobManager.begin_shutdown` refuses new jobs, fails
+States: ``queued -> in_progress -> completed | failed``. A queued or running job can be
+cancelled (deleted): it never runs, or stops at its next step. On shutdown, :meth:`JobManager.begin_shutdown` refuses new jobs, fails
 the queued ones, and gives the running one ``grace`` seconds before marking it failed;
 its late result, if any, is dropped.
 """
@@ -31,7 +31,6 @@ __all__ = [
     "QUEUED",
     "Job",
     "JobAbandoned",
-    "JobInProgress",
     "JobManager",
     "QueueFull",
     "ShuttingDown",
@@ -49,10 +48,6 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The server is shutting down and takes no new jobs."""
-
-
-class JobInProgress(Exception):
-    """The job is running and cannot be deleted."""
 
 
 class JobAbandoned(Exception):
@@ -262,25 +257,28 @@ class JobManager:
             return len(self._store)
 
     def delete(self, job_id: str) -> Job:
-        """Cancel a queued job or forget a finished one.
+        """Cancel a queued or running job, or forget a finished one; the id is gone at once.
+
+        A running job is marked failed (``cancelled``); its runner stops at its next step
+        (:class:`JobAbandoned`) and its late result, if any, is dropped.
 
         Raises:
             KeyError: no such kept job.
-            JobInProgress: the job is running.
         """
         with self._cond:
             self._prune()
             job = self._store.get(job_id)
             if job is None:
                 raise KeyError(job_id)
-            if job.status == IN_PROGRESS:
-                raise JobInProgress(job_id)
-            was_queued = job.status == QUEUED
-            if was_queued:
+            cancelled = not job.finished
+            if job.status == QUEUED:
                 self._waiting.remove(job)
                 self._fail(job, "cancelled", "the job was cancelled before it started")
+            elif job.status == IN_PROGRESS:
+                self._fail(job, "cancelled", "the job was cancelled while it ran")
             del self._store[job_id]
-        if was_queued:  # a finished job was counted when it finished
+            self._cond.notify_all()
+        if cancelled:  # a finished job was counted when it finished
             self._finish_outside_lock(job)
         return job
 
@@ -346,9 +344,8 @@ class JobManager:
                         self._fail(job, self.error_code(error), message)
                         logger.error("job %s failed: %s: %s", job.id, type(error).__name__, error)
                 else:
-                    logger.warning(
-                        "job %s finished after it was marked failed; its result is dropped", job.id
-                    )
+                    logger.warning("job %s stopped after it was marked failed (%s); its result "
+                                   "is dropped", job.id, (job.error or {}).get("code"))
                 self._cond.notify_all()
             if ours:
                 self._finish_outside_lock(job)
@@ -401,12 +398,25 @@ class JobManager:
         for job in late:
             self._finish_outside_lock(job)
 
-    def shutdown(self, grace: float, settle: float = 5.0) -> bool:
+    def abandon_running(self, message: str) -> list[Job]:
+        """Mark every running job failed now (``server_shutdown``, ``message``), as the
+        grace's end would; their late results are dropped. Returns those jobs."""
+        with self._cond:
+            late = [job for job in self._running if job.status == IN_PROGRESS]
+            for job in late:
+                self._fail(job, "server_shutdown", message)
+            self._cond.notify_all()
+        for job in late:
+            self._finish_outside_lock(job)
+        return late
+
+    def shutdown(self, grace: float, settle: float = 1.0) -> bool:
         """Shut down: ``begin_shutdown(grace)``, then wait for the worker.
 
         Waits for the running jobs up to the grace deadline, then up to ``settle`` more
         seconds for the workers to return from jobs marked failed (runners stop
-        cooperatively at their next step).
+        cooperatively at their next step; one still inside a long native call is left
+        behind).
 
         Returns:
             True if the workers have stopped (no generation still running).

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from .errors import APIError
-from .jobs import COMPLETED, QUEUED, Job, JobInProgress
+from .jobs import COMPLETED, QUEUED, Job
 from .metrics import CONTENT_TYPE_LATEST
 from .schemas import (
     ImageGenerationRequest,
@@ -226,17 +226,31 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             if req.negative_prompt is None
             else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
         )
-        job = Job("image", JobSpec(prompt, params, size=req.size))
+        as_url = req.response_format == "url"  # kept like a video job, served below
+        job = Job("image", JobSpec(prompt, params, size=req.size), store=as_url)
         try:
             pngs = await state.run_and_wait(job, lambda: _wait_disconnect(request))
         except ClientGone:
             return Response(status_code=499)  # nobody is listening
-        body = {
-            "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs],
-        }
+        if as_url:
+            data = [{"url": str(request.url_for("image_file", image_id=job.id, index=i))}
+                    for i in range(n)]
+        else:
+            data = [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs]
+        body = {"created": int(time.time()), "data": data}
         headers = state.response_headers(job)
         return JSONResponse(body, headers=headers) if headers else body
+
+    @app.get("/v1/images/{image_id}/{index}.png", name="image_file")
+    async def image_file(image_id: str, index: int) -> Response:
+        """Image ``index`` of a ``response_format="url"`` request, kept ``--job-ttl``
+        seconds (404 once expired or for an unknown id)."""
+        job = await state.get_job(image_id)
+        pngs = await state.job_content(job) if job is not None and job.kind == "image" else None
+        if not pngs or not 0 <= index < len(pngs):
+            raise APIError(404, f"No image {index} of {image_id!r} (unknown or expired).",
+                           param="image_id", code="image_not_found")
+        return Response(pngs[index], media_type="image/png", headers=state.response_headers(job))
 
     # -------------------------------------------------------------- videos
 
@@ -248,7 +262,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
     async def get_job(video_id: str) -> Job:
         """The video job ``video_id``; an ``APIError`` 404 (param ``video_id``) if unknown."""
         job = await state.get_job(video_id)
-        if job is None:
+        if job is None or job.kind != "video":
             raise not_found(video_id)
         return job
 
@@ -328,7 +342,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                 param="order",
                 code="invalid_value",
             )
-        jobs = await state.list_jobs()
+        jobs = [job for job in await state.list_jobs() if job.kind == "video"]
         if order == "desc":
             jobs.reverse()
         after = query.get("after")
@@ -388,16 +402,10 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> Any:
-        """Cancel a queued job or delete a finished one (409 while in progress)."""
+        """Cancel a queued or running job (stopped at its next step) or delete a finished one."""
+        await get_job(video_id)  # 404 for an image id
         try:
             await state.delete_job(video_id)
         except KeyError:
             raise not_found(video_id) from None
-        except JobInProgress:
-            raise APIError(
-                409,
-                f"Video {video_id} is in progress; it cannot be deleted until it finishes.",
-                param="video_id",
-                code="video_in_progress",
-            ) from None
         return {"id": video_id, "object": "video.deleted", "deleted": True}

@@ -85,7 +85,7 @@ class ImageGenerationRequest(_Request):
     model: str | None = None
     n: int | None = Field(None, ge=1, le=10)
     size: str | None = None
-    response_format: Literal["b64_json"] | None = None
+    response_format: Literal["b64_json", "url"] | None = None
     user: str | None = None
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     num_inference_steps: int | None = _Steps
@@ -186,6 +186,9 @@ class Limits:
         size_multiple: width and height must be multiples of this.
         frame_step: ``num_frames - 1`` must be a multiple of this (video pipelines), or None.
         call_params: keyword arguments the pipeline's ``__call__`` takes, or None (unknown).
+        model_side: largest width and height the model's config allows, or None.
+        model_frames: most frames the model's config allows, or None.
+        model_source: where the two come from (``"its transformer's rope_max_seq_len of 32"``).
     """
 
     max_pixels: int
@@ -194,6 +197,9 @@ class Limits:
     size_multiple: int = 16
     frame_step: int | None = None
     call_params: frozenset[str] | None = None
+    model_side: int | None = None
+    model_frames: int | None = None
+    model_source: str = ""
 
 
 def _over(field: str, value: int, text: str, limit: int, flag: str, given: bool) -> APIError:
@@ -244,6 +250,16 @@ def check_limits(
                 param="size",
                 code="invalid_value",
             )
+        side = limits.model_side
+        if side is not None and (width > side or height > side):
+            raise APIError(
+                400,
+                f"Invalid value for 'size': {width}x{height} is more than this model can "
+                f"generate: {limits.model_source} allows at most {side} pixels a side"
+                f"{'' if size_given else ' (the model default)'}.",
+                param="size",
+                code="invalid_value",
+            )
     steps = values.get("num_inference_steps")
     if steps is not None and steps > limits.max_steps:
         raise _over("num_inference_steps", steps, str(steps), limits.max_steps, "--max-steps",
@@ -255,6 +271,14 @@ def check_limits(
         if frames > limits.max_frames:
             raise _over(field, frames, text, limits.max_frames, "--max-frames",
                         field in given)
+        if limits.model_frames is not None and frames > limits.model_frames:
+            raise APIError(
+                400,
+                f"Invalid value for '{field}': {text} is more than this model can generate: "
+                f"{limits.model_source} allows at most {limits.model_frames} frames.",
+                param=field,
+                code="invalid_value",
+            )
         if limits.frame_step and (frames - 1) % limits.frame_step:
             raise APIError(
                 400,

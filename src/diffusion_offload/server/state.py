@@ -35,7 +35,7 @@ from .metrics import ServerMetrics
 from .schemas import Limits
 
 __all__ = [
-    "DEFAULT_FPS", "BaseServerState", "JobSpec", "ServerSettings", "ServerState",
+    "DEFAULT_FPS", "SHUTDOWN_SETTLE", "BaseServerState", "JobSpec", "ServerSettings", "ServerState",
     "check_api_key", "job_failure", "normalize_host", "normalize_origin", "random_seed",
     "submit_error",
 ]
@@ -49,6 +49,9 @@ class ClientGone(Exception):
 _MAX_SEED = 2**31 - 1
 DEFAULT_FPS = 16
 """Frames per second of a video job that gives no ``fps``."""
+SHUTDOWN_SETTLE = 1.0
+"""Seconds a job marked failed at the shutdown grace's end gets to return from its step
+before ``serve`` exits without it (so ``serve`` exits within grace + this + a little)."""
 
 
 def random_seed() -> int:
@@ -77,6 +80,11 @@ class ServerSettings:
         allowed_hosts: ``Host`` names accepted besides the bound address and ``localhost``.
         job_ttl: seconds a finished video job is kept.
         max_stored_jobs: most video jobs kept (oldest finished dropped first).
+        max_connections: most open client connections (:mod:`.connections`); None: 1000,
+            or what the open-file limit leaves room for when that is less.
+        timeout_keep_alive: seconds an idle connection is kept between requests.
+        timeout_headers: seconds a request's line and headers may take to arrive.
+        timeout_body: seconds a request's body may take to arrive after its headers.
     """
 
     model_id: str
@@ -93,6 +101,10 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     job_ttl: float = 3600.0
     max_stored_jobs: int = 100
+    max_connections: int | None = None
+    timeout_keep_alive: float = 5.0
+    timeout_headers: float = 10.0
+    timeout_body: float = 30.0
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -103,9 +115,10 @@ class ServerSettings:
             ("max_body_bytes", 1),
             ("size_multiple", 1),
             ("max_stored_jobs", 1),
+            ("max_connections", 1),
         ):
             value = getattr(self, name)
-            if value is None and name == "size_multiple":
+            if value is None and name in ("size_multiple", "max_connections"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(
@@ -115,6 +128,10 @@ class ServerSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0, got {value!r}")
+        for name in ("timeout_keep_alive", "timeout_headers", "timeout_body"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value!r}")
         if self.api_key is not None:
             check_api_key(self.api_key)
         self.allowed_origins = tuple(normalize_origin(o) for o in self.allowed_origins)
@@ -367,10 +384,11 @@ class BaseServerState:
         raise NotImplementedError
 
     async def delete_job(self, job_id: str) -> None:
-        """Cancel a queued video job or forget a finished one.
+        """Cancel a queued or running video job (stopped at its next step) or forget a
+        finished one.
 
         Raises:
-            KeyError: no such job. JobInProgress: it is running.
+            KeyError: no such job.
         """
         raise NotImplementedError
 
@@ -386,22 +404,28 @@ class BaseServerState:
     # ------------------------------------------------------------------ views
 
     def video_object(self, job: Job, status: str | None = None) -> dict[str, Any]:
-        """OpenAI's video object for ``job`` (plus ``num_frames``, ``fps``, ``seed``)."""
+        """OpenAI's video object for ``job`` (plus ``num_frames``, ``fps``, ``seed``).
+
+        ``prompt`` echoes the request's prompt; ``expires_at`` (Unix seconds) is when a
+        finished job is dropped (``completed_at + --job-ttl``), None until it finishes.
+        """
         spec: JobSpec = job.payload
         params = spec.params
         fps = spec.fps or DEFAULT_FPS
         status = status or job.status
         seconds = None if params.num_frames is None else f"{params.num_frames / fps:g}"
+        finished = job.completed_at if job.completed_at and status != QUEUED else None
+        prompt = spec.prompt["prompt"] if isinstance(spec.prompt, dict) else spec.prompt
         return {
             "id": job.id,
             "object": "video",
             "model": self.settings.model_id,
             "status": status,
             "progress": 0 if status == QUEUED else int(job.progress),
+            "prompt": prompt,
             "created_at": int(job.created_at),
-            "completed_at": int(job.completed_at)
-            if job.completed_at and status != QUEUED
-            else None,
+            "completed_at": None if finished is None else int(finished),
+            "expires_at": None if finished is None else int(finished + self.settings.job_ttl),
             "size": spec.size or (f"{params.width}x{params.height}" if params.width and params.height else None),
             "num_frames": params.num_frames,
             "fps": fps,
@@ -467,6 +491,9 @@ class ServerState(BaseServerState):
             self.settings.size_multiple or (rules.size_multiple if rules is not None else 16),
             rules.frame_step if rules is not None else frame_step(engine),
             call_params(engine),
+            rules.max_side if rules is not None else None,
+            rules.max_frames if rules is not None else None,
+            rules.limit_source if rules is not None else "",
         )
         self.progress.install(engine)
         self.loaded_at = int(time.time())
@@ -509,7 +536,7 @@ class ServerState(BaseServerState):
     def stop(self) -> None:
         """Shut down (blocking up to the grace), then close the engine if this state built it."""
         self.shutting_down = True
-        idle = self.jobs.shutdown(self.settings.shutdown_grace)
+        idle = self.jobs.shutdown(self.settings.shutdown_grace, settle=SHUTDOWN_SETTLE)
         if self.owns_engine and idle and self.engine is not None and hasattr(self.engine, "close"):
             try:
                 self.engine.close()
@@ -542,11 +569,11 @@ class ServerState(BaseServerState):
         return self.jobs.list()
 
     async def delete_job(self, job_id: str) -> None:
-        """:meth:`JobManager.delete` (raises ``KeyError`` / ``JobInProgress``)."""
+        """:meth:`JobManager.delete` (raises ``KeyError``)."""
         self.jobs.delete(job_id)
 
     async def job_content(self, job: Job) -> bytes | None:
-        """The mp4 of a completed job."""
+        """The encoded result of a completed job (mp4 bytes, or a list of PNG bytes)."""
         return job.result
 
     async def run_and_wait(self, job: Job, disconnected: Callable[[], Any] | None = None) -> Any:

@@ -9,10 +9,17 @@ streamer's ``before``/``after``) and ``_StageEntry`` (outermost on every stage m
 ``forward``/``decode``/``encode``, which runs each outermost call through
 ``BlockStreamer.call``). Unselected components stay resident; there is no mutual exclusion
 between components: each streams its own blocks.
+
+With ``device_memory_budget`` the backend keeps as many streamed blocks resident as fit
+(``policy.keep_blocks``, chosen again at every request's start from the calls of the
+request before: the streamer's ``kept``). A block whose forward a diffusers cache skips
+(First Block Cache: the head block found the step close enough to the cached one) is
+not streamed: ``_BlockHooks`` asks the cache's hook before loading (``_cache_skips``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -25,8 +32,11 @@ from ..blocks import check_disjoint, discover_blocks
 from ..config import DiffusionOffloadConfig
 from ..discovery import Component, STAGE_ROLES
 from ..hooks import SequentialOffloadHook, attach_hook
+from ..platform import same_device
+from ..policy import BlockSpec, BudgetTooSmallError, keep_blocks, resolve_budget
 from ..residency import ComponentWeights, WeightTable
 from ..streamer import BlockStreamer, StreamedBlock
+from ..transfer import payload_of
 from .base import OffloadBackendBase
 
 __all__ = ["LayerwiseOffloadBackend"]
@@ -36,8 +46,42 @@ logger = logging.getLogger(__name__)
 _STREAMED_ROLES = ("dit", "text_encoder")
 
 
+@functools.cache
+def _skipping_hook_types() -> tuple[type, ...]:
+    """The diffusers hook classes that may return a block's cached output without running
+    it and say so in ``state_manager.get_state().should_compute`` (First Block Cache)."""
+    try:
+        from diffusers.hooks.first_block_cache import FBCBlockHook
+    except ImportError:  # a diffusers without First Block Cache
+        return ()
+    return (FBCBlockHook,)
+
+
+def _cache_skips(module: nn.Module) -> bool:
+    """Whether a diffusers cache hook on block ``module`` (``enable_cache`` before or
+    after ``enable``: it is asked at call time) will skip the block's body now.
+
+    First Block Cache decides in the head block, before the others are called; a block
+    it skips returns its input. Without a cache context (FBC then raises its own error)
+    or any doubt, the block is loaded."""
+    registry = getattr(module, "_diffusers_hook", None)  # diffusers' HookRegistry
+    if registry is None:
+        return False
+    kinds = _skipping_hook_types()
+    for hook in getattr(registry, "hooks", {}).values():
+        if kinds and isinstance(hook, kinds):
+            try:
+                return not hook.state_manager.get_state().should_compute
+            except Exception:  # noqa: BLE001 - no cache context: let the cache raise
+                return False
+    return False
+
+
 class _BlockHooks:
-    """The forward pre-hook and post-hook of one streamed block, and their removal."""
+    """The forward pre-hook and post-hook of one streamed block, and their removal.
+
+    A call that a cache skips (``_cache_skips``) is reported with ``streamer.skip`` and
+    never loads the block; its post-hook does nothing."""
 
     def __init__(self, module: nn.Module, block: StreamedBlock, streamer: BlockStreamer) -> None:
         self.module_ref = weakref.ref(module)
@@ -50,17 +94,25 @@ class _BlockHooks:
         if module is None:
             return
         block, streamer_ref = self.block, self.streamer_ref
+        skipped: list[bool] = []  # per call of the block in progress (nested: several)
 
         @torch.compiler.disable
         def pre(mod: nn.Module, args: tuple) -> None:
             streamer = streamer_ref()
-            if streamer is not None:
+            if streamer is None:
+                return
+            skip = _cache_skips(mod)
+            skipped.append(skip)
+            if skip:
+                streamer.skip(block)
+            else:
                 streamer.before(block)
 
         @torch.compiler.disable
         def post(mod: nn.Module, args: tuple, output: Any) -> None:
             streamer = streamer_ref()
-            if streamer is not None:
+            skip = skipped.pop() if skipped else False
+            if streamer is not None and not skip:
                 streamer.after(block)
 
         self._handles = [
@@ -180,12 +232,24 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             False: for pure inference, device->host traffic is exactly the pipeline's
             own, and a write to a streamed weight while it is on the device is lost.
         component_roles, max_pinned_bytes: as ``ModelLevelOffloadBackend``.
+        device_memory_budget: bytes of weights that may be on the device at once
+            (``"auto"``: the free device memory at enable minus max(10 % of the
+            device, 1 GiB); None: no budget, only the trunks and two blocks). The
+            streamed blocks that fit beyond the trunks, the unselected components, the
+            ``resident_layers`` and the two largest streamed blocks stay on the device
+            once loaded (``core.policy.keep_blocks``: the least H2D per request, ties
+            spread through the stack), chosen at the start of every request after the
+            first from the calls per component of the request before.
 
     Peak device memory: trunks of the selected components + resident layers + the two
-    largest streamed blocks + unselected components + activations (SPEC section 10).
+    largest streamed blocks + unselected components + activations (SPEC section 10);
+    with a budget, the budget + activations.
 
     Raises:
-        TypeError, ValueError: an invalid config, ``layer_blocks`` or device.
+        TypeError, ValueError: an invalid config, ``layer_blocks``, device or
+            ``device_memory_budget``; at ``enable``, ``BudgetTooSmallError`` (a
+            ValueError) for a budget below the trunks + unselected components + the two
+            largest streamed blocks, before anything moves.
         NotImplementedError: ``weight_transfer="allgather"`` (distributed layer offload,
             which gathers sharded blocks across ranks, is not implemented).
     """
@@ -202,10 +266,19 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         check_writes: bool = True,
         component_roles: Mapping[str, str] | None = None,
         max_pinned_bytes: int | None = None,
+        device_memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(
             config, device, component_roles=component_roles, max_pinned_bytes=max_pinned_bytes
         )
+        if device_memory_budget != "auto":  # the bytes of "auto" are measured at enable
+            resolve_budget(device_memory_budget, self.platform)
+        self.device_memory_budget = device_memory_budget
+        #: the budget in bytes since ``enable`` (``"auto"`` resolved), or None
+        self.budget: int | None = None
+        #: bytes of weights that always stay on the device since ``enable`` (trunks,
+        #: resident layers, unselected components)
+        self.fixed_bytes = 0
         for comp, opts in self.config.layer_options:
             if opts.weight_transfer == "allgather":
                 raise NotImplementedError(
@@ -253,6 +326,25 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             return {}
         return {c: [b.name for b in seq] for c, seq in self.streamer.sequences.items()}
 
+    @property
+    def kept(self) -> dict[str, list[str]]:
+        """Streamed block names the budget keeps resident now, per component."""
+        if self.streamer is None:
+            return {}
+        kept = self.streamer.kept
+        return {
+            c: [b.name for b in seq if b in kept]
+            for c, seq in self.streamer.sequences.items()
+            if any(b in kept for b in seq)
+        }
+
+    @property
+    def wasted_prefetches(self) -> int:
+        """Prefetched blocks released without having run (a wrong guess, or a block a
+        cache skipped: at most one per cached forward); their bytes:
+        ``streamer.wasted_bytes``."""
+        return self.streamer.wasted_prefetches if self.streamer is not None else 0
+
     def disable(self) -> None:
         """Remove every hook; tensors stay where they are (see ``OffloadBackendBase``).
 
@@ -285,11 +377,19 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             allowed = {id(b) for b, _ in streamer.stack}
             if streamer.prefetched is not None:
                 allowed.add(id(streamer.prefetched))
-            extra = [f"{b.component}.{b.name}" for b in streamer.on_device() if id(b) not in allowed]
+            on_device = streamer.on_device()
+            extra = [
+                f"{b.component}.{b.name}" for b in on_device
+                if id(b) not in allowed and b not in streamer.kept
+            ]
             if extra:
                 out.append(
                     f"streamed blocks on the device that neither run nor are prefetched: {extra}"
                 )
+            if self.budget is not None:
+                resident = self.fixed_bytes + sum(b.nbytes for b in on_device)
+                if resident > self.budget:
+                    out.append(f"{resident} bytes of weights on the device, over the budget of {self.budget}")
             return out
 
     # ------------------------------------------------------------------ internals
@@ -336,6 +436,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
                 named[key] = w.named_tensors()
                 selected[key] = True
                 block_weights.setdefault(comp.name, []).append((bname, bmod, w))
+        budget, fixed = self._check_budget(table, named, selected)
         streamer = BlockStreamer(self.platform, self.mover, self.lock, self.prefetch, self.check_writes)
 
         def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
@@ -360,9 +461,54 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
                     h = _BlockHooks(bmod, block, streamer)
                     handles.append(h)
                     h.install()
+            if budget is not None:
+                streamer.choose_kept = _chooser(streamer, budget - fixed)
             self.streamer = streamer
 
         self._transact_enable(table, named, selected, install)
+        self.budget, self.fixed_bytes = budget, fixed
+
+    def _check_budget(
+        self,
+        table: WeightTable,
+        named: dict[str, list[tuple[str, torch.Tensor]]],
+        selected: dict[str, bool],
+    ) -> tuple[int | None, int]:
+        """``(budget in bytes or None, bytes that always stay on the device)``, before
+        anything is adopted, pinned or moved.
+
+        Raises:
+            BudgetTooSmallError: the budget (``"auto"`` resolved) is below those bytes
+                plus the two largest streamed blocks (the message names them).
+            ValueError: a meta tensor or a tensor on a foreign device (named).
+        """
+        table.check_tensors(named)
+        plan = table.plan(named, selected)
+        fixed = sum(n for _, n, evictable in plan if not evictable)
+        if self.device_memory_budget is None:
+            return None, fixed
+        sizes: dict[str, int] = {}
+        for owners, n, evictable in plan:
+            if evictable:
+                for owner in owners:
+                    sizes[owner] = sizes.get(owner, 0) + n
+        on_device, seen = 0, set()
+        for tensors in named.values():
+            for _, t in tensors:
+                p = payload_of(t)
+                if id(t) not in seen and same_device(p.device, self.device):
+                    seen.add(id(t))
+                    on_device += p.numel() * p.element_size()
+        budget = resolve_budget(self.device_memory_budget, self.platform, on_device)
+        assert budget is not None
+        largest = sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:2]
+        buffer = sum(n for _, n in largest)
+        if budget < fixed + buffer:
+            raise BudgetTooSmallError(
+                self.device_memory_budget, budget, fixed + buffer, fixed, buffer,
+                tuple(name for name, _ in largest), layer=True,
+            )
+        return budget, fixed
 
     def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
         """Layer mode: the streamed blocks rest on the host, everything else on the device."""
@@ -371,3 +517,15 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"
         return f"LayerwiseOffloadBackend({self.config.to_json()}, {self.device}, {state})"
+
+
+def _chooser(streamer: BlockStreamer, room: int) -> Callable[[dict[str, int]], set[StreamedBlock]]:
+    """``streamer.choose_kept`` for a budget leaving ``room`` bytes beside the weights
+    that always stay on the device: ``keep_blocks`` over every streamed block."""
+
+    def choose(calls: dict[str, int]) -> set[StreamedBlock]:
+        blocks = [b for seq in streamer.sequences.values() for b in seq]
+        specs: list[BlockSpec] = [(b.component, b.index, b.nbytes) for b in blocks]
+        return {blocks[i] for i in keep_blocks(specs, calls, room)}
+
+    return choose

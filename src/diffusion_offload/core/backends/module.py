@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import DiffusionOffloadConfig
-from ..discovery import Component, ENCODER_ROLES, STAGE_ROLES
+from ..discovery import Component, DIT_GROUP_ROLES, ENCODER_ROLES, STAGE_ROLES
 from ..hooks import SequentialOffloadHook, attach_hook
 from ..policy import BudgetTooSmallError, MemoryPolicy, resolve_budget, smallest_budget
 from ..platform import same_device
@@ -94,10 +94,16 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
                 ):
                     out.append(f"{resident} bytes of weights resident, over the budget of {budget}")
                 return out
+            adapters = []
             for comp in self.components.values():
-                if comp.selected and comp.resident and comp.role != "vae":
+                if comp.selected and comp.resident and comp.role == "adapter":
+                    adapters.append(comp.name)
+                elif comp.selected and comp.resident and comp.role != "vae":
                     key = "encoders" if comp.role in ENCODER_ROLES else comp.name
                     groups.setdefault(key, []).append(comp.name)
+            if adapters:  # adapters join the resident DiT's group
+                dits = [k for k in groups if k != "encoders"]
+                groups.setdefault(dits[0] if dits else "adapters", []).extend(adapters)
             if len(groups) > 1:
                 out.append(f"more than one group is resident: {sorted(groups.values())}")
             return out
@@ -180,9 +186,9 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         return budget
 
     def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
-        """Module mode: the selected DiTs rest on the host (the encoders rest on the
-        device until the first DiT runs)."""
-        return weights.selected and weights.role == "dit"
+        """Module mode: the selected DiT group (DiTs, adapters) rests on the host (the
+        encoders rest on the device until the first DiT runs)."""
+        return weights.selected and weights.role in DIT_GROUP_ROLES
 
     def _enable_delegated(self, pipeline: SupportsModelCpuOffload) -> None:
         kwargs: dict[str, Any] = {
@@ -201,6 +207,10 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         self._enabled = True
 
     def _check_selection(self, components: list[Component]) -> None:
+        """An explicit selection needs what it names and a stage that evicts the DiTs
+        (an encoder or a VAE); the legacy switch offloads whatever exists."""
+        if not self.config.explicit:
+            return
         roles = [c.role for c in components]
         names = {c.name: c.role for c in components}
         if self.config.selects("dit") and "dit" not in roles:
@@ -212,30 +222,42 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
                 "components includes 'text_encoder' but the pipeline has no text encoder; "
                 f"discovered: {names}"
             )
-        if self.config.explicit and not any(r in ENCODER_ROLES for r in roles):
+        if not any(r in ENCODER_ROLES or r == "vae" for r in roles):
             raise ValueError(
-                "model-level offload needs an encoder stage for mutual exclusion with the "
-                f"DiTs, but the pipeline declares none; discovered: {names}"
+                "model-level offload needs an encoder or a VAE stage for mutual exclusion "
+                f"with the DiTs, but the pipeline declares none; discovered: {names}"
             )
 
     def _exclusion(
         self, comp: Component, weights: dict[str, ComponentWeights]
     ) -> list[ComponentWeights]:
         selected = [w for w in weights.values() if w.selected]
-        if comp.role == "dit":
-            return [w for w in selected if w.name != comp.name]
+        if comp.role == "dit":  # the encoders and the other DiTs; adapters stay with it
+            return [w for w in selected if w.name != comp.name and w.role != "adapter"]
+        if comp.role == "adapter":
+            return [w for w in selected if w.role in ENCODER_ROLES]
         if comp.role in ENCODER_ROLES or comp.role == "vae":
             # a VAE decodes without the DiTs: evicting an unmodified DiT costs no copy,
             # and the next request's text encoder evicts it anyway
-            return [w for w in selected if w.role == "dit"]
+            return [w for w in selected if w.role in DIT_GROUP_ROLES]
         return []
 
     def _companions(
         self, comp: Component, weights: dict[str, ComponentWeights]
     ) -> list[ComponentWeights]:
-        """A selected encoder loads the whole selected encoder group (they run back to back)."""
-        if comp.role in ENCODER_ROLES and weights[comp.name].selected:
-            return [w for w in weights.values() if w.selected and w.role in ENCODER_ROLES]
+        """A selected encoder loads the whole selected encoder group (they run back to
+        back); a selected DiT loads the selected adapters, and an adapter its DiT when the
+        pipeline has one selected DiT (they run in the same denoising steps)."""
+        if not weights[comp.name].selected:
+            return []
+        selected = [w for w in weights.values() if w.selected]
+        if comp.role in ENCODER_ROLES:
+            return [w for w in selected if w.role in ENCODER_ROLES]
+        if comp.role == "dit":
+            return [w for w in selected if w.role == "adapter"]
+        if comp.role == "adapter":
+            dits = [w for w in selected if w.role == "dit"]
+            return dits if len(dits) == 1 else []
         return []
 
     def __repr__(self) -> str:

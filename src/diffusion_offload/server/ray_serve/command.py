@@ -121,6 +121,8 @@ def serve_ray(args: argparse.Namespace) -> int:
         budget = getattr(args, "device_memory_budget", None)
         if budget is not None:  # as plain serve: each replica applies it to its own device
             engine_options["device_memory_budget"] = budget
+        if getattr(args, "lora", None):
+            engine_options["loras"] = list(args.lora)
         app_name = "diffusion-offload"
         application = build_application(
             model, settings, app_name=app_name,

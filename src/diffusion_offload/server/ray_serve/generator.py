@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from ..jobs import Job
+from ..jobs import Job, JobAbandoned
 from ..metrics import ENGINE_FAMILIES
 from ..state import ServerSettings, ServerState
 from .index import CALL_TIMEOUT_S, HEARTBEAT_S, NAMESPACE, _actor_name, _rank_label
@@ -99,11 +99,20 @@ class DiffusionGenerator:
         if job.store:
             self.index.started.remote(job.id, attempt, label, self.actor)
         last = [-1.0]
+        pending: list[Any] = []  # the index's answer to the last progress report
 
         def on_progress(percent: float) -> None:
-            if job.store and percent - last[0] >= 1.0:
+            if not job.store:
+                return
+            if pending:
+                ready, _ = ray.wait(pending, timeout=0)
+                if not ready:
+                    return  # the index has not answered the last report yet
+                if ray.get(pending.pop()) is False:  # cancelled (deleted) or failed meanwhile
+                    raise JobAbandoned(f"job {job.id} is no longer wanted")
+            if percent - last[0] >= 1.0:
                 last[0] = percent
-                self.index.progress.remote(job.id, attempt, percent)
+                pending.append(self.index.progress.remote(job.id, attempt, percent))
 
         def work() -> Any:
             with self.lock:  # one generation at a time, even after a cancelled call

@@ -26,7 +26,6 @@ from ..jobs import (
     IN_PROGRESS,
     Job,
     JobAbandoned,
-    JobInProgress,
     JobManager,
     QueueFull,
     ShuttingDown,
@@ -221,13 +220,12 @@ class JobIndex:
         return [_copy_job(job) for job in self.jobs.list()]
 
     def delete(self, job_id: str) -> str:
-        """``"deleted"``, ``"not_found"`` or ``"in_progress"``."""
+        """``"deleted"`` or ``"not_found"`` (a running job is cancelled: its replica stops
+        at its next step, told so by :meth:`progress`)."""
         try:
             self.jobs.delete(job_id)
         except KeyError:
             return "not_found"
-        except JobInProgress:
-            return "in_progress"
         self._history.pop(job_id, None)
         return "deleted"
 
@@ -255,11 +253,19 @@ class JobIndex:
             {"attempt": attempt, "replica": replica, "actor": actor}
         )
 
-    def progress(self, job_id: str, attempt: int, percent: float) -> None:
-        """Progress of the running attempt of a kept job (stale attempts are ignored)."""
+    def progress(self, job_id: str, attempt: int, percent: float) -> bool:
+        """Progress of the running attempt of a kept job (stale attempts are ignored).
+
+        Returns:
+            False once the job is no longer wanted (cancelled, or failed by the shutdown
+            grace): the replica stops at its next step.
+        """
         job = self._live.get(job_id)
-        if job is not None and job.status == IN_PROGRESS and self._attempt.get(job_id) == attempt:
+        if job is None or job.status != IN_PROGRESS:
+            return False
+        if self._attempt.get(job_id) == attempt:
             job.progress = float(percent)
+        return True
 
     # -------------------------------------------------------------- replicas and metrics
 

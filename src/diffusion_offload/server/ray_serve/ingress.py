@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 
 from ..app import build_app
 from ..errors import APIError
-from ..jobs import Job, JobInProgress, QueueFull, ShuttingDown
+from ..jobs import Job, QueueFull, ShuttingDown
 from ..metrics import HTTP_FAMILIES, ServerMetrics, merge_snapshots
 from ..state import BaseServerState, ClientGone, ServerSettings, job_failure, submit_error
 from .index import CALL_TIMEOUT_S, HEARTBEAT_S, NAMESPACE, _actor_name, _rank_label
@@ -211,15 +211,14 @@ class RayIngressState(BaseServerState):
         return await _call(self.index.list.remote())
 
     async def delete_job(self, job_id: str) -> None:
-        """Delete on the index (``KeyError`` / ``JobInProgress`` as locally)."""
+        """Delete on the index (``KeyError`` as locally)."""
         outcome = await _call(self.index.delete.remote(job_id))
         if outcome == "not_found":
             raise KeyError(job_id)
-        if outcome == "in_progress":
-            raise JobInProgress(job_id)
 
     async def job_content(self, job: Job) -> bytes | None:
-        """The mp4 from the object store (None if the job expired meanwhile)."""
+        """The encoded result (mp4 bytes, or a list of PNG bytes) from the object store
+        (None if the job expired meanwhile)."""
         refs = await _call(self.index.content.remote(job.id))
         if refs is None:
             return None

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from . import autocast
 from .counters import _counters, reset_peak, stats
 from .data import _data_get, _data_set
 from .device import storage_key
@@ -18,6 +19,7 @@ from .kernels import (
     _arange_end,
     _copy_from,
     _empty_memory_format,
+    _local_scalar_dense,
     _empty_strided,
     _is_pinned,
     _linspace,
@@ -67,6 +69,11 @@ class _BackendModule:
     @staticmethod
     def device_count() -> int:
         return 1
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """The dtypes ``torch.autocast("fakegpu", dtype=...)`` accepts (CUDA's)."""
+        return [torch.float16, torch.bfloat16]
 
     Stream = Stream
     Event = Event
@@ -170,6 +177,8 @@ def install() -> torch.device:
         dev_lib.impl("arange.start", _arange)
         dev_lib.impl("arange.start_step", _arange)
         dev_lib.impl("linspace", _linspace)
+        dev_lib.impl("_local_scalar_dense", _local_scalar_dense)
+        autocast.register(_libs)
         cpu_lib = torch.library.Library("aten", "IMPL", "CPU")
         cpu_lib.impl("_pin_memory", _pin_memory)
         cpu_lib.impl("is_pinned", _is_pinned)

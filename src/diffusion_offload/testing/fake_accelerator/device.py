@@ -239,7 +239,7 @@ def _waits_by_args(func: Any, args: tuple, kwargs: dict) -> bool:
         return _device_kwarg_is_host(kwargs)
     indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
     return any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+        isinstance(i, FakeDeviceTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
     )
 
 
@@ -334,8 +334,9 @@ def _dispatch_plain(func, args, kwargs):
         isinstance(v, (list, tuple, dict)) for v in kwargs.values()
     )
     flat = pytree.tree_flatten((args, kwargs))[0] if nested else [*args, *kwargs.values()]
+    host_indices = _host_indices(func, args, kwargs)
     for x in flat:
-        if _is_host_tensor(x) and x.dim() > 0 and x.device.type == "cpu":
+        if _is_host_tensor(x) and x.dim() > 0 and x.device.type == "cpu" and id(x) not in host_indices:
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, {state.device} and cpu! (in {func})"
@@ -379,6 +380,27 @@ def _dispatch_plain(func, args, kwargs):
         with torch.inference_mode(False):
             return wrap_all(out)
     return wrap_all(out)
+
+
+_INDEX_OPS = frozenset(
+    {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+)
+
+
+def _host_indices(func: Any, args: tuple, kwargs: dict) -> set[int]:
+    """ids of the host index tensors CUDA accepts: ``t[idx]`` and ``t[idx] = v`` (``index``,
+    ``index_put``) of a device tensor ``t`` take indices on the host (CUDA copies them to the
+    device: counted as H2D bytes here; a host boolean mask needs no host wait). Every other
+    op, or a host ``t``, still refuses a host tensor."""
+    if func not in _INDEX_OPS or not isinstance(args[0] if args else kwargs.get("self"), FakeDeviceTensor):
+        return set()
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    out = set()
+    for i in indices:
+        if isinstance(i, torch.Tensor) and _is_host_tensor(i):
+            out.add(id(i))
+            _count_copy("h2d", _nbytes(i))
+    return out
 
 
 def _dispatch_mutating(func, args, kwargs, flat):

@@ -1,5 +1,5 @@
-"""The kernels ``install()`` registers with ``torch.library``: the ``fakegpu`` factory and
-copy kernels that run below Python dispatch, and the CPU kernels of pinning
+"""The kernels ``install()`` registers with ``torch.library``: the ``fakegpu`` factory,
+copy and scalar-read kernels that run below Python dispatch, and the CPU kernels of pinning
 (``aten::_pin_memory``, ``aten::is_pinned``).
 """
 
@@ -12,6 +12,7 @@ from .device import (
     FakeDeviceTensor,
     _aten,
     _copy_accesses,
+    _dispatch,
     _dispatch_transfer_plain,
     _is_host_tensor,
     _nbytes,
@@ -110,6 +111,14 @@ def _linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memor
     _note_kernel_write(out, "aten.linspace")
     _count_op(False)
     return out
+
+
+@torch.compiler.disable
+def _local_scalar_dense(self: torch.Tensor) -> bool | int | float | complex:
+    """``aten::_local_scalar_dense`` below Python dispatch: ``torch.tensor([t[i]])`` with a
+    device scalar reads it back this way, as CUDA does. One device->host read of the
+    element, counted like ``.item()`` (a D2H copy, a device op and a host wait)."""
+    return _dispatch(_aten._local_scalar_dense.default, (self,), {})
 
 
 def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Layer mode finds blocks without a table (issue 25, item 5).
+
+A UNet streams its down, mid and up blocks; any other model its containers of repeated
+blocks that hold most of its bytes; the built-in table still wins; a model that runs its
+discovered blocks out of definition order gets the right result through fallback loads.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from diffusion_offload import LayerwiseOffloadBackend
+from diffusion_offload.core.blocks import block_attrs, discover_blocks
+from diffusion_offload.core.discovery import SupportsComponentDiscovery
+from diffusion_offload.testing import tiny_families
+from diffusion_offload.testing.toy import SyntheticDiT
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+def test_unet_streams_its_down_mid_and_up_blocks(fake_device):
+    reference = tiny_families.run("sd-image-variation", tiny_families.build("sd-image-variation").to(fake_device))
+    pipe = tiny_families.build("sd-image-variation")
+    assert block_attrs(pipe.unet) == (("down_blocks", "mid_block", "up_blocks"), "discovered")
+    backend = LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device)
+    backend.enable(pipe)
+    names = [b.name for b in backend.streamer.sequences["unet"]]
+    assert names == ["down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1"]
+    for _ in range(2):
+        out = tiny_families.run("sd-image-variation", pipe)
+        assert float((out - reference).abs().max()) == 0.0
+    assert backend.audit() == [] and backend.stats.d2h_bytes == 0 and backend.stats.h2d_bytes > 0
+    backend.disable()
+
+
+class _Undeclared(SyntheticDiT):
+    """A SyntheticDiT without the class attribute: its ``blocks`` must be discovered."""
+
+    _layerwise_offload_blocks_attrs: ClassVar[list[str] | None] = None
+
+
+class _Pipe(nn.Module, SupportsComponentDiscovery):
+    _dit_modules: ClassVar[list[str]] = ["transformer"]
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+        self.transformer = _Undeclared(num_blocks=6, **kwargs)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(x)
+
+
+def test_repeated_containers_discovered_and_out_of_order_runs_are_exact(fake_device):
+    pipe = _Pipe(order=(5, 4, 4, 3, 1, 0))  # reversed, one block twice, block 2 unused
+    assert block_attrs(pipe.transformer) == (("blocks",), "discovered")
+    x = torch.randn(1, 4, pipe.transformer.proj_in.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = pipe.transformer(x)  # on the host: the fake device computes the same
+    backend = LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device)
+    backend.enable(pipe)
+    assert len(backend.streamer.sequences["transformer"]) == 6
+    with torch.no_grad():
+        first = pipe(x.to(fake_device)).cpu()
+        second = pipe(x.to(fake_device)).cpu()
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    assert backend.stats.fallback_loads > 0  # the first call's out-of-order blocks, reported
+    assert backend.audit() == [] and backend.stats.d2h_bytes == 0
+
+
+def test_table_wins_and_small_containers_are_not_blocks():
+    class Small(nn.Module):  # repeated blocks hold a third of the bytes: no blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(64, 64)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    with pytest.raises(ValueError, match="no discoverable blocks"):
+        discover_blocks(Small(), component="small")
+
+    class WanTransformer3DModel(nn.Module):  # a table name: its container, not discovery's
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.other = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+
+    assert block_attrs(WanTransformer3DModel()) == (("blocks",), "table")
