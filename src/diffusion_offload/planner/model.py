@@ -486,7 +486,11 @@ def load_plan_model(
         components[name] = ComponentSize(
             name=name, role=role, class_name=class_name, nbytes=nbytes,
             params=_param_count(module),
-            blocks=_blocks(module, (layer_blocks or {}).get(name)), source=source,
+            # only DiTs and text encoders stream in layer mode (a VAE's containers are not
+            # blocks, and discovering them would log a line per plan)
+            blocks=_blocks(module, (layer_blocks or {}).get(name))
+            if role in ("dit", "text_encoder") or name in (layer_blocks or {}) else (),
+            source=source,
             tied_extra=_tied_extra(module),
         )
     if not any(c.role == "dit" for c in components.values()):

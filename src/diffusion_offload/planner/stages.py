@@ -536,7 +536,9 @@ class _BlockReplay:
         from .model import discover_block_modules
 
         seen: set[int] = set()
-        for module in pm.modules.values():
+        for name, module in pm.modules.items():
+            if name in pm.components and not pm.components[name].blocks:
+                continue  # not streamed in layer mode (a VAE): no blocks to memoize
             for block in discover_block_modules(module):
                 if id(block) in seen:
                     continue
