@@ -370,6 +370,18 @@ class OffloadBackendBase:
         """Refuse a selection the pipeline cannot honour, before anything moves."""
         raise NotImplementedError
 
+    def _bytes_on_device(self, named: dict[str, list[tuple[str, torch.Tensor]]]) -> int:
+        """Bytes of the distinct tensors in ``named`` that are on this backend's device now
+        (what a ``device_memory_budget`` of ``"auto"`` counts as available: they are what
+        the budget is for)."""
+        seen: dict[int, int] = {}
+        for tensors in named.values():
+            for _, t in tensors:
+                p = payload_of(t)
+                if id(t) not in seen and same_device(p.device, self.device):
+                    seen[id(t)] = p.numel() * p.element_size()
+        return sum(seen.values())
+
     def _transact_enable(
         self,
         table: WeightTable,

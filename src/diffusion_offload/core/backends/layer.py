@@ -32,11 +32,9 @@ from ..blocks import check_disjoint, discover_blocks
 from ..config import DiffusionOffloadConfig
 from ..discovery import Component, STAGE_ROLES
 from ..hooks import SequentialOffloadHook, attach_hook
-from ..platform import same_device
 from ..policy import BlockSpec, BudgetTooSmallError, keep_blocks, resolve_budget
 from ..residency import ComponentWeights, WeightTable
 from ..streamer import BlockStreamer, StreamedBlock
-from ..transfer import payload_of
 from .base import OffloadBackendBase
 
 __all__ = ["LayerwiseOffloadBackend"]
@@ -492,13 +490,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             if evictable:
                 for owner in owners:
                     sizes[owner] = sizes.get(owner, 0) + n
-        on_device, seen = 0, set()
-        for tensors in named.values():
-            for _, t in tensors:
-                p = payload_of(t)
-                if id(t) not in seen and same_device(p.device, self.device):
-                    seen.add(id(t))
-                    on_device += p.numel() * p.element_size()
+        on_device = self._bytes_on_device(named)
         budget = resolve_budget(self.device_memory_budget, self.platform, on_device)
         assert budget is not None
         largest = sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:2]

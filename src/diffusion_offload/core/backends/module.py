@@ -17,9 +17,7 @@ from ..config import DiffusionOffloadConfig
 from ..discovery import Component, DIT_GROUP_ROLES, ENCODER_ROLES, STAGE_ROLES
 from ..hooks import SequentialOffloadHook, attach_hook
 from ..policy import BudgetTooSmallError, MemoryPolicy, resolve_budget, smallest_budget
-from ..platform import same_device
 from ..residency import ComponentWeights, WeightTable, named_tensors
-from ..transfer import payload_of
 from .base import OffloadBackendBase
 from .split import SupportsModelCpuOffload
 
@@ -168,14 +166,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
             return None
         table.check_tensors(named)
         plan = table.plan(named, selected)
-        on_device = 0
-        seen: set[int] = set()
-        for tensors in named.values():
-            for _, t in tensors:
-                p = payload_of(t)
-                if id(t) not in seen and same_device(p.device, self.device):
-                    seen.add(id(t))
-                    on_device += p.numel() * p.element_size()
+        on_device = self._bytes_on_device(named)
         # "auto" counts the managed weights on the device now as available (they are
         # what the budget is for), as it does after placement
         budget = resolve_budget(self.device_memory_budget, self.platform, on_device)
