@@ -62,8 +62,9 @@ from diffusion_offload import (  # noqa: E402
     SupportsComponentDiscovery,
 )
 from diffusion_offload.core.hooks import get_hook
-from diffusion_offload.core.streamer import BlockStreamer
-from diffusion_offload.core.transfer import Mover
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_stub import write_checks_off  # noqa: E402  (bench/check_stub.py)
 
 
 class _Big(nn.Module):
@@ -158,12 +159,8 @@ def measure(gib: float, repeats: int, memory: list[str]) -> list[tuple[str, floa
                     p.mul_(1)  # bump _version: forces write-back
             wb = _timed(enc.activate)
             results.append(("evict modified DiT (D2H write-back to pinned)", wb, nbytes / wb / 1e9))
-            real = Mover._fingerprints
-            Mover._fingerprints = lambda self, members: [0] * len(members)
-            try:
+            with write_checks_off():
                 bare = [_timed(dit.activate) + _timed(enc.activate) for _ in range(repeats)]
-            finally:
-                Mover._fingerprints = real
             cycle = statistics.median(loads) + statistics.median(evicts)
             results.append(("load+evict cycle without fingerprints (stubbed)", statistics.median(bare), float("nan")))
             memory.append(
@@ -366,21 +363,17 @@ def measure_layer(
         ("layer, no prefetch", False, 0),
         (f"layer, prefetch, resident_layers {blocks // 4}", True, blocks // 4),
         (f"layer, prefetch, resident_layers {blocks // 2}", True, blocks // 2),
-        # diagnostic: the write check (device fingerprints of each block at its release,
-        # 8 bytes read back: a host wait for that block's compute) stubbed out
-        ("layer, prefetch, write check stubbed (diagnostic)", True, 0),
+        # the write checks off (``check_writes=False``: a weight written on the device is
+        # then lost at its release), to see what they cost
+        ("layer, prefetch, check_writes=False", True, 0),
     ]
-    real_changed = BlockStreamer._changed
     for name, prefetch, resident in variants:
-        if "stubbed" in name:
-            BlockStreamer._changed = lambda self, block, slots, members, unchanged: (
-                [False] * len(members),
-                None,
-            )
         config: dict = {"mode": "layer", "components": ["dit"]}
         if resident:
             config["layer_options"] = {"dit": {"resident_layers": resident}}
-        backend = LayerwiseOffloadBackend(config, device, prefetch=prefetch)
+        backend = LayerwiseOffloadBackend(
+            config, device, prefetch=prefetch, check_writes="check_writes" not in name
+        )
         start = time.perf_counter()
         backend.enable(pipe)
         enable_s = time.perf_counter() - start
@@ -400,7 +393,6 @@ def measure_layer(
             )
         finally:
             backend.disable()
-            BlockStreamer._changed = real_changed
         mod.empty_cache()
     return rows
 

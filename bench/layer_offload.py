@@ -70,10 +70,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
-from diffusion_offload.core.streamer import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
-from diffusion_offload.core.transfer import Mover
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_stub import write_checks_off  # noqa: E402  (bench/check_stub.py)
 
 SELECT = ["dit", "text_encoder"]
 DITS = ("transformer", "transformer_2")
@@ -96,23 +97,12 @@ def _count_host_syncs() -> None:
         cls.synchronize = counted
 
 
-_REAL_CHECKS = (BlockStreamer._changed, Mover._fingerprints)
-
-
 @contextlib.contextmanager
 def _write_check(on: bool):
-    """``on=False``: our write detection stubbed out (nothing read, everything "unchanged"),
+    """``on=False``: our write detection stubbed out (``check_stub.write_checks_off``),
     as ``bench/residency_costs.py fingerprint`` does, to see what it costs on this device."""
-    if not on:
-        BlockStreamer._changed = lambda self, block, slots, members, unchanged: (
-            [False] * len(members),
-            None,
-        )
-        Mover._fingerprints = lambda self, members: [0] * len(members)
-    try:
+    with write_checks_off(not on):
         yield
-    finally:
-        BlockStreamer._changed, Mover._fingerprints = _REAL_CHECKS
 
 
 @dataclass
