@@ -13,6 +13,7 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).
 - ``policy``: the device-memory budget (``MemoryPolicy``): what stays resident.
 - ``discovery``: a pipeline's components and their roles (DiT, text encoder, VAE...).
+- ``foreign``: other libraries' placement hooks (accelerate, group offload), refused.
 - ``blocks``: a component's repeated blocks (layer mode).
 - ``hooks``: ``SequentialOffloadHook``: load before a stage runs, evict others.
 - ``streamer``: ``BlockStreamer``: layer mode's block schedule and prefetch.

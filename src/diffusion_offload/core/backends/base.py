@@ -24,6 +24,7 @@ import torch
 from .. import hostmem
 from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from ..discovery import Component, discover_components
+from ..foreign import check_foreign_hooks
 from ..hooks import HookHandle, get_handle
 from ..platform import Platform, platform_for, same_device
 from ..residency import ComponentWeights, WeightTable
@@ -147,6 +148,9 @@ class OffloadBackendBase:
                 Nothing was changed.
             RuntimeError: a component module is already managed by another backend;
                 nothing was changed.
+            foreign.ForeignHookError (a ValueError): a component carries accelerate's
+                ``_hf_hook`` or diffusers' group-offload hooks (named, with how to
+                remove them); nothing was changed.
             MemoryError: the host cannot hold the host copies (bytes needed and
                 available named); nothing was changed.
             TypeError: the pipeline's components cannot be discovered.
@@ -176,6 +180,7 @@ class OffloadBackendBase:
                 self._remember(pipeline)
                 return
             self._check_unmanaged(components)
+            check_foreign_hooks(components, pipeline)
             self._enable(components)
             self._remember(pipeline)
 
