@@ -7,6 +7,7 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``platform``: one ``Platform`` per device kind (streams, events, pinning, memory queries).
 - ``hostmem``: host memory: pinning in place, what the host has.
 - ``writes``: write detection: fingerprints of a tensor's bytes, its host-visible write state.
+- ``quantized``: the plain tensors that carry each weight (quantized formats), refusals.
 - ``arena``: host arenas: many host copies in one buffer, one H2D copy per arena.
 - ``transfer``: moving weights (``Mover``, ``Transaction``), ``TransferStats``.
 - ``checks``: device write checks (``LoadCheck``): what a load put on the device, what changed.

@@ -27,9 +27,10 @@ from torch import nn
 from .arena import Arena
 from . import checks
 from .platform import same_device
+from .quantized import Carrier, carriers, check_rebuild, module_carriers
 from .transfer import Member, Mover, TensorSlot, Transaction, payload_of, record_on, storage_span
 
-__all__ = ["ComponentWeights", "WeightTable", "named_tensors"]
+__all__ = ["ComponentWeights", "WeightTable", "named_carriers", "named_tensors"]
 
 
 def _walk(module: nn.Module, skip: "weakref.WeakSet[nn.Module]", prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
@@ -41,26 +42,52 @@ def _walk(module: nn.Module, skip: "weakref.WeakSet[nn.Module]", prefix: str = "
         yield from _walk(child, skip, f"{prefix}.{name}" if prefix else name)
 
 
+def named_carriers(
+    module: nn.Module, skip: "weakref.WeakSet[nn.Module] | None" = None
+) -> list[Carrier]:
+    """The plain tensors that carry ``module``'s weights (``quantized.carriers``), each
+    once, under its first dotted name in ``named_modules`` order.
+
+    Every parameter and buffer (persistent or not) is a carrier itself, or, for a
+    quantized weight, its inner tensors (a traceable wrapper subclass) or itself with
+    its quantization state (bitsandbytes); a bitsandbytes ``Linear8bitLt``'s ``state``
+    tensors are carriers too. A tensor registered in several places (tied weights)
+    appears once. ``skip``: submodules whose subtrees are left out (layer mode's
+    streamed blocks, which are components of their own).
+
+    Raises:
+        quantized.UnsupportedTensorError (a TypeError): a weight of a format the mover
+            cannot move (its path, class and the supported formats named).
+    """
+    registered: set[int] = set()
+    seen: set[int] = set()
+    out: list[Carrier] = []
+    walk = module.named_modules(remove_duplicate=False) if not skip else _walk(module, skip)
+    for prefix, sub in walk:
+        found: list[Carrier] = []
+        for store in (sub._parameters, sub._buffers):
+            for name, t in store.items():
+                if t is not None and id(t) not in registered:
+                    registered.add(id(t))
+                    found.extend(carriers(f"{prefix}.{name}" if prefix else name, t))
+        found.extend(module_carriers(prefix, sub))
+        for c in found:
+            if id(c.tensor) not in seen:
+                seen.add(id(c.tensor))
+                out.append(c)
+    return out
+
+
 def named_tensors(
     module: nn.Module, skip: "weakref.WeakSet[nn.Module] | None" = None
 ) -> list[tuple[str, torch.Tensor]]:
-    """Every distinct parameter and buffer object of ``module`` with its first dotted name.
+    """Every distinct tensor that carries ``module``'s weights, with its first dotted
+    name (``named_carriers``): for plain weights, every parameter and buffer object.
 
-    Persistent and non-persistent buffers are included; a tensor registered in several
-    places (tied weights) appears once, under its first name in ``named_modules`` order.
-    ``skip``: submodules whose subtrees are left out (layer mode's streamed blocks, which
-    are components of their own).
+    Raises:
+        quantized.UnsupportedTensorError: as ``named_carriers``.
     """
-    seen: set[int] = set()
-    out: list[tuple[str, torch.Tensor]] = []
-    walk = module.named_modules(remove_duplicate=False) if not skip else _walk(module, skip)
-    for prefix, sub in walk:
-        for store in (sub._parameters, sub._buffers):
-            for name, t in store.items():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    out.append((f"{prefix}.{name}" if prefix else name, t))
-    return out
+    return [(c.name, c.tensor) for c in named_carriers(module, skip)]
 
 
 # ----------------------------------------------------------------------------- generations
@@ -609,9 +636,10 @@ class WeightTable:
                 touched.append(slot)
             else:
                 fresh.setdefault(frozenset(owners[key]), []).append(t)
+        outers = self._outers(named)
         for names, group in fresh.items():
             evictable = self._evictable(set(names))
-            for slot in self.mover.group(group, txn, evictable, pack=pack and len(names) == 1):
+            for slot in self.mover.group(group, txn, evictable, pack=pack and len(names) == 1, outers=outers):
                 for m in slot.members:
                     self._slot_of[id(m.obj)] = slot
                 txn.on_rollback(lambda s=slot: self._forget(s))
@@ -622,6 +650,31 @@ class WeightTable:
             if slot.evictable and not self._evictable(slot.owners):
                 slot.evictable = False
                 txn.on_rollback(lambda s=slot: setattr(s, "evictable", True))
+
+    def _outers(self, named: dict[str, list[tuple[str, torch.Tensor]]]) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Per inner tensor (by id) of a quantized wrapper subclass among the components
+        in ``named``: its wrappers, innermost first (``Member.outers``). Each wrapper is
+        checked to rebuild (``quantized.check_rebuild``) before anything moves.
+
+        Raises:
+            quantized.UnsupportedTensorError: a wrapper that cannot be rebuilt (named).
+        """
+        out: dict[int, tuple[torch.Tensor, ...]] = {}
+        checked: set[int] = set()
+        for name in named:
+            comp = self.components.get(name)
+            module = comp.module_ref() if comp is not None else None
+            if module is None:
+                continue
+            for c in named_carriers(module, comp.skip):
+                if not c.outers:
+                    continue
+                out[id(c.tensor)] = c.outers
+                for outer in c.outers:
+                    if id(outer) not in checked:
+                        checked.add(id(outer))
+                        check_rebuild(c.name, outer)
+        return out
 
     def _evictable(self, owners: set[str]) -> bool:
         if len(owners) > 1 and not self.shared_evictable:

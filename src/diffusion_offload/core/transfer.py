@@ -50,6 +50,7 @@ import torch
 from . import hostmem
 from .arena import ARENA_BYTES, Arena, layout
 from .platform import Platform, same_device
+from .quantized import refresh
 
 __all__ = [
     "Member",
@@ -167,15 +168,26 @@ class Member:
 
     Attributes:
         obj: the object the modules hold (a Parameter or buffer, or a DTensor's local
-            shard); its identity never changes.
+            shard, or an inner tensor of a quantized wrapper subclass); its identity
+            never changes.
         dtype, shape, stride: the view's metadata in the host copy.
         offset: storage offset, in elements of ``dtype``, from the slot's span start.
+        outers: the wrapper subclasses ``obj`` is an inner tensor of, innermost first
+            (``quantized.Carrier.outers``); brought to ``obj``'s device after each move
+            (``quantized.refresh``). Empty for every other tensor.
     """
 
-    __slots__ = ("obj", "dtype", "shape", "stride", "offset")
+    __slots__ = ("obj", "dtype", "shape", "stride", "offset", "outers")
 
-    def __init__(self, obj: torch.Tensor, offset: int, stride: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        obj: torch.Tensor,
+        offset: int,
+        stride: tuple[int, ...],
+        outers: tuple[torch.Tensor, ...] = (),
+    ) -> None:
         self.obj = obj
+        self.outers = outers
         p = payload_of(obj)
         self.dtype = p.dtype
         self.shape = tuple(p.shape)
@@ -332,20 +344,22 @@ class Transaction:
     """
 
     def __init__(self) -> None:
-        self._undo: list[tuple[torch.Tensor | None, Any]] = []
+        self._undo: list[tuple[torch.Tensor | None, Any, tuple[torch.Tensor, ...]]] = []
 
-    def rebind(self, obj: torch.Tensor, payload: torch.Tensor) -> None:
+    def rebind(self, obj: torch.Tensor, payload: torch.Tensor, outers: tuple[torch.Tensor, ...] = ()) -> None:
         """``_rebind`` ``obj`` (its DTensor shard, for a DTensor) to ``payload``,
-        remembering the current payload."""
+        remembering the current payload; then bring the wrappers ``obj`` is an inner
+        tensor of (``outers``, ``Member.outers``) to its device (``quantized.refresh``)."""
         target = payload_of(obj)
         with torch.inference_mode(False), torch.no_grad():
             previous = target.detach()
-        self._undo.append((target, previous))
+        self._undo.append((target, previous, outers))
         _rebind(target, payload)
+        refresh(outers)
 
     def on_rollback(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (in reverse order with the rebinds) if the transaction rolls back."""
-        self._undo.append((None, fn))
+        self._undo.append((None, fn, ()))
 
     def rollback(self) -> None:
         """Put every rebind back and run the undo callbacks, newest first.
@@ -356,11 +370,12 @@ class Transaction:
         """
         with _sigint_deferred(), torch.inference_mode(False), torch.no_grad():
             while self._undo:
-                obj, x = self._undo.pop()
+                obj, x, outers = self._undo.pop()
                 if obj is None:
                     x()
                 else:
                     _rebind(obj, x)
+                    refresh(outers)
 
     def commit(self) -> None:
         """Keep every change; drop the log."""
@@ -426,7 +441,12 @@ class Mover:
             self.stats.pageable_host_bytes += sign * slot.nbytes
 
     def group(
-        self, objs: Iterable[torch.Tensor], txn: Transaction, evictable: bool, pack: bool = False
+        self,
+        objs: Iterable[torch.Tensor],
+        txn: Transaction,
+        evictable: bool,
+        pack: bool = False,
+        outers: dict[int, tuple[torch.Tensor, ...]] | None = None,
     ) -> list[TensorSlot]:
         """Build the slots of ``objs`` (enable or adoption time; never on the eviction path).
 
@@ -437,6 +457,8 @@ class Mover:
         ``pack`` (``enable``: the tensors of one component) the evictable host copies are
         moved into arenas instead (``pack``), pinned when allowed.
         Non-evictable tensors get no host copy: ``place`` puts them on the device for good.
+        ``outers``: id of an inner tensor of a quantized wrapper -> its wrappers
+        (``Member.outers``).
         Every tensor must be on the host or on this device (``WeightTable.check_tensors``
         checks that, with the component's and the tensor's names, before anything moves).
         """
@@ -456,6 +478,9 @@ class Mover:
             slots.extend(self._adopt_host(objs_of_storage, txn, pin=evictable and not pack))
         for slot in slots:
             slot.evictable = evictable
+            if outers:
+                for m in slot.members:
+                    m.outers = outers.get(id(m.obj), ())
         if pack:
             self.pack(slots, txn)
         return slots
@@ -507,6 +532,7 @@ class Mover:
                     if on_host:
                         for m in slot.members:
                             _rebind(m.obj, slot.view(span, m))
+                            refresh(m.outers)
                 buf[end:].zero_()
             arenas.append(arena)
         return arenas
@@ -524,6 +550,7 @@ class Mover:
                 for m in slot.members:
                     if m.payload.device.type == "cpu":
                         _rebind(m.obj, slot.view(fresh, m))
+                        refresh(m.outers)
                 arena.remove(slot)
 
     def _pin(self, span: torch.Tensor, objs: list[torch.Tensor], txn: Transaction) -> tuple[torch.Tensor, bool]:
@@ -581,7 +608,7 @@ class Mover:
             slot = TensorSlot(members, host, pinned)
             if host is not span:  # pinned by copy: the members move to the pinned copy
                 for m in members:
-                    txn.rebind(m.obj, slot.view(host, m))
+                    txn.rebind(m.obj, slot.view(host, m), m.outers)
         self._account(slot, +1)
         txn.on_rollback(lambda: self._account(slot, -1))
         return [slot]
@@ -614,11 +641,12 @@ class Mover:
             self._take_host_writes(slot)
             whole = self._whole_view(slot)
             if whole is not None:  # one tensor covering the span: copy it as itself
-                txn.rebind(slot.members[0].obj, whole.to(self.device, non_blocking=slot.pinned))
+                m = slot.members[0]
+                txn.rebind(m.obj, whole.to(self.device, non_blocking=slot.pinned), m.outers)
             else:
                 dev = slot.host.to(self.device, non_blocking=slot.pinned)
                 for m in slot.members:
-                    txn.rebind(m.obj, slot.view(dev, m))
+                    txn.rebind(m.obj, slot.view(dev, m), m.outers)
                 del dev
         self.stats.h2d_bytes += slot.nbytes
         return slot.nbytes
@@ -637,7 +665,7 @@ class Mover:
                 offset = arena.offsets[id(slot)]
                 span = dev[offset : offset + slot.nbytes]
                 for m in slot.members:
-                    txn.rebind(m.obj, slot.view(span, m))
+                    txn.rebind(m.obj, slot.view(span, m), m.outers)
             arena.device_key, arena.checked = self.platform.storage_key(dev), False
             del dev
         txn.on_rollback(arena.unload)
@@ -730,7 +758,7 @@ class Mover:
             if written and not self.platform.blocking_d2h and any(s.pinned for s in slots):
                 self.platform.synchronize()
             for slot, m in members:
-                txn.rebind(m.obj, slot.view(slot.host, m))
+                txn.rebind(m.obj, slot.view(slot.host, m), m.outers)
         for arena in {id(s.arena): s.arena for s in slots if s.arena is not None}.values():
             loaded = (arena.device_key, arena.checked)
             arena.unload()

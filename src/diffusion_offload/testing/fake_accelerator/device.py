@@ -110,6 +110,10 @@ class FakeDeviceTensor(torch.Tensor):
 
     _inner: torch.Tensor
 
+    #: the device's own tensor class: the offload core treats it as a plain tensor
+    #: (``core.quantized.DEVICE_TENSOR``), ``_inner`` being its payload, not a weight's
+    __device_tensor__ = True
+
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> "FakeDeviceTensor":
         out = torch.Tensor._make_wrapper_subclass(
