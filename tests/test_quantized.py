@@ -281,3 +281,85 @@ def test_quantized_weights_move_like_plain_ones(fmt, mode, fake_device):
     assert fa.stats()["races_detected"] == 0
     for n, p in pipe.named_parameters():  # same objects, still of their classes
         assert weights[n][0] is p and isinstance(p, weights[n][1]), n
+
+
+# -- host copies, writes, refusals ----------------------------------------------------------
+
+
+def test_inner_tensors_get_pinned_arena_host_copies_and_writes_are_found(fake_device):
+    """torchao int8: the inner tensors' host copies live in the component's pinned arenas;
+    evicting them copies nothing back; an in-place write to an inner tensor while it is
+    resident is found by the write check, written back (its bytes only) and loaded again."""
+    pipe = quantized("torchao-int8")
+    weight = pipe.transformer.blocks[0].fc1.weight
+    with ModelLevelOffloadBackend(MODULE, fake_device) as backend:
+        backend.enable(pipe)
+        assert backend.stats.pageable_host_bytes == 0 and backend.stats.pinned_bytes > 0
+        assert weight.device.type == "cpu" and weight.qdata.is_pinned() and weight.scale.is_pinned()
+        slot = backend._table.slot_of(weight.qdata)
+        assert slot.arena is not None and slot.arena is backend._table.slot_of(weight.scale).arena
+        pipe(_x(fake_device))
+        assert weight.device == fake_device and weight.qdata.device == fake_device
+        with torch.no_grad():
+            weight.qdata[0, 0] += 1  # a write to the quantized data itself
+        written = weight.qdata[:1].clone().cpu()
+        pipe.text_encoder(_x(fake_device))  # evicts the DiT
+        assert weight.device.type == "cpu" and backend.stats.d2h_bytes == weight.qdata.numel()
+        assert torch.equal(weight.qdata[:1], written) and weight.qdata.is_pinned()
+        pipe(_x(fake_device))
+        assert torch.equal(weight.qdata[:1].cpu(), written)
+        assert backend.audit() == []
+    assert fa.stats()["races_detected"] == 0
+
+
+class ScaledWeight(nn.Parameter):
+    """A Parameter subclass that keeps its scale in a tensor attribute (a format the mover
+    does not know: the scale would stay behind)."""
+
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor) -> "ScaledWeight":
+        self = torch.Tensor._make_subclass(cls, data, False)
+        self.scale = scale
+        return self
+
+
+class Opaque(torch.Tensor):
+    """A wrapper subclass without ``__tensor_flatten__``: its bytes cannot be found."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "Opaque":
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        out.inner = inner
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.inner if isinstance(a, Opaque) else a  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def _placement(pipe: nn.Module) -> list[tuple[str, int]]:
+    """Device and storage of every tensor holding the pipeline's bytes."""
+    return [(t.device.type, t.untyped_storage().data_ptr()) for t in _leaves(pipe) if type(t) is not Opaque]
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+@pytest.mark.parametrize("weight", ["ScaledWeight", "Opaque"])
+def test_an_unsupported_subclass_is_refused_before_anything_moves(weight, mode, fake_device):
+    pipe = quantized("torchao-int8")
+    fc1 = pipe.transformer.blocks[2].fc1
+    w = fc1.weight.dequantize().detach()
+    if weight == "ScaledWeight":
+        fc1.weight = ScaledWeight(w, torch.ones(w.shape[0]))
+    else:
+        fc1.register_buffer("lut", Opaque(torch.ones(4)))
+    before, allocated = _placement(pipe), fa.stats()["allocated_bytes"]
+    backend = ModelLevelOffloadBackend(MODULE, fake_device) if mode == "module" else LayerwiseOffloadBackend(LAYER, fake_device)
+    with pytest.raises(UnsupportedTensorError) as info:
+        backend.enable(pipe)
+    msg = str(info.value)
+    assert ("fc1.weight" if weight == "ScaledWeight" else "fc1.lut") in msg and weight in msg and "Supported formats" in msg and "torchao" in msg
+    assert "component 'transformer" in msg
+    assert not backend.is_enabled() and _placement(pipe) == before
+    assert fa.stats()["allocated_bytes"] == allocated and fa.stats()["h2d_bytes"] == 0
+    assert backend.stats.pinned_bytes == 0 and backend.stats.pageable_host_bytes == 0
+    assert not pipe.transformer.blocks[0].fc1.weight.qdata.is_pinned()

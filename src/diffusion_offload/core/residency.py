@@ -27,7 +27,7 @@ from torch import nn
 from .arena import Arena
 from . import checks
 from .platform import same_device
-from .quantized import Carrier, carriers, check_rebuild, module_carriers
+from .quantized import Carrier, UnsupportedTensorError, carriers, check_rebuild, module_carriers
 from .transfer import Member, Mover, TensorSlot, Transaction, payload_of, record_on, storage_span
 
 __all__ = ["ComponentWeights", "WeightTable", "named_carriers", "named_tensors"]
@@ -43,7 +43,9 @@ def _walk(module: nn.Module, skip: "weakref.WeakSet[nn.Module]", prefix: str = "
 
 
 def named_carriers(
-    module: nn.Module, skip: "weakref.WeakSet[nn.Module] | None" = None
+    module: nn.Module,
+    skip: "weakref.WeakSet[nn.Module] | None" = None,
+    component: str | None = None,
 ) -> list[Carrier]:
     """The plain tensors that carry ``module``'s weights (``quantized.carriers``), each
     once, under its first dotted name in ``named_modules`` order.
@@ -53,11 +55,13 @@ def named_carriers(
     its quantization state (bitsandbytes); a bitsandbytes ``Linear8bitLt``'s ``state``
     tensors are carriers too. A tensor registered in several places (tied weights)
     appears once. ``skip``: submodules whose subtrees are left out (layer mode's
-    streamed blocks, which are components of their own).
+    streamed blocks, which are components of their own). ``component``: the name the
+    error message gives ``module``.
 
     Raises:
         quantized.UnsupportedTensorError (a TypeError): a weight of a format the mover
-            cannot move (its path, class and the supported formats named).
+            cannot move (the component, the tensor's path, its class and the supported
+            formats named).
     """
     registered: set[int] = set()
     seen: set[int] = set()
@@ -69,7 +73,12 @@ def named_carriers(
             for name, t in store.items():
                 if t is not None and id(t) not in registered:
                     registered.add(id(t))
-                    found.extend(carriers(f"{prefix}.{name}" if prefix else name, t))
+                    try:
+                        found.extend(carriers(f"{prefix}.{name}" if prefix else name, t))
+                    except UnsupportedTensorError as exc:
+                        if component is None:
+                            raise
+                        raise UnsupportedTensorError(f"component {component!r}: {exc}") from None
         found.extend(module_carriers(prefix, sub))
         for c in found:
             if id(c.tensor) not in seen:
@@ -79,7 +88,9 @@ def named_carriers(
 
 
 def named_tensors(
-    module: nn.Module, skip: "weakref.WeakSet[nn.Module] | None" = None
+    module: nn.Module,
+    skip: "weakref.WeakSet[nn.Module] | None" = None,
+    component: str | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Every distinct tensor that carries ``module``'s weights, with its first dotted
     name (``named_carriers``): for plain weights, every parameter and buffer object.
@@ -87,7 +98,7 @@ def named_tensors(
     Raises:
         quantized.UnsupportedTensorError: as ``named_carriers``.
     """
-    return [(c.name, c.tensor) for c in named_carriers(module, skip)]
+    return [(c.name, c.tensor) for c in named_carriers(module, skip, component)]
 
 
 # ----------------------------------------------------------------------------- generations
@@ -197,7 +208,7 @@ class ComponentWeights:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The component's tensors now (``named_tensors`` of its module, ``skip`` left out)."""
         module = self.module_ref()
-        return [] if module is None else named_tensors(module, self.skip)
+        return [] if module is None else named_tensors(module, self.skip, self.name)
 
     def _count(self, event: str, start: float) -> None:
         """Count a load or eviction that moved something (``start``: its perf_counter)."""
@@ -670,10 +681,12 @@ class WeightTable:
                 if not c.outers:
                     continue
                 out[id(c.tensor)] = c.outers
+                path = c.name
                 for outer in c.outers:
+                    path = path.rpartition(".")[0]
                     if id(outer) not in checked:
                         checked.add(id(outer))
-                        check_rebuild(c.name, outer)
+                        check_rebuild(f"{name}: {path}", outer)
         return out
 
     def _evictable(self, owners: set[str]) -> bool:

@@ -27,7 +27,7 @@ from ..discovery import Component, discover_components
 from ..foreign import check_foreign_hooks
 from ..hooks import HookHandle, get_handle
 from ..platform import Platform, platform_for, same_device
-from ..residency import ComponentWeights, WeightTable
+from ..residency import ComponentWeights, WeightTable, named_carriers
 from ..transfer import Mover, Transaction, TransferStats, payload_of
 from .split import SupportsModelCpuOffload
 
@@ -288,7 +288,8 @@ class OffloadBackendBase:
         owners' ``resident`` flags say (the per-tensor part of ``audit``, both modes): a
         slot that is not evictable on the device; an evictable one on the device exactly
         while at least one of its owners is resident (a tensor tied between two selected
-        components follows whichever of them is resident).
+        components follows whichever of them is resident). An inner tensor of a quantized
+        wrapper subclass must be on the device its wrapper reports.
 
         A tensor that is not managed is reported unless a pending structural change
         explains it and it holds no device memory of an evicted component. Call with the
@@ -300,10 +301,19 @@ class OffloadBackendBase:
         comps = self.components
         for comp in comps.values():
             pending = comp.generation != comp.synced
-            for tname, t in comp.named_tensors():
+            module = comp.module_ref()
+            carried = [] if module is None else named_carriers(module, comp.skip, comp.name)
+            for c in carried:
+                tname, t = c.name, c.tensor
                 slot = table.slot_of(t)
                 where = payload_of(t).device
                 on_dev = same_device(where, self.device)
+                stale = [o for o in c.outers if o.device != where]
+                if stale:
+                    out.append(
+                        f"{comp.name}: tensor {tname!r} is on {where} but the "
+                        f"{type(stale[0]).__name__} it belongs to says {stale[0].device}"
+                    )
                 if slot is None or comp.name not in slot.owners:
                     # a pending change is adopted at the next activation, but a new
                     # tensor of an evicted component must not hold device memory

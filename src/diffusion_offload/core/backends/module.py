@@ -108,7 +108,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
 
     def _enable(self, components: list[Component]) -> None:
         selected = {c.name: self.config.offloads_role(c.role) for c in components}
-        named = {c.name: named_tensors(c.module) for c in components}
+        named = {c.name: named_tensors(c.module, component=c.name) for c in components}
         table = WeightTable(self.mover)
         for comp in components:
             table.add(comp.name, comp.role, selected[comp.name], comp.module)

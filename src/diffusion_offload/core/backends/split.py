@@ -87,7 +87,7 @@ class PartSwitcher:
             table.add(name, "part", True, module)
         txn = Transaction()
         try:
-            table.adopt({name: named_tensors(m) for name, m in parts.items()}, txn)
+            table.adopt({name: named_tensors(m, component=name) for name, m in parts.items()}, txn)
             for weights in table.components.values():
                 weights.resident = True
                 weights.evict()
