@@ -363,3 +363,51 @@ def test_an_unsupported_subclass_is_refused_before_anything_moves(weight, mode, 
     assert fa.stats()["allocated_bytes"] == allocated and fa.stats()["h2d_bytes"] == 0
     assert backend.stats.pinned_bytes == 0 and backend.stats.pageable_host_bytes == 0
     assert not pipe.transformer.blocks[0].fc1.weight.qdata.is_pinned()
+
+
+# -- LoRA on a 4-bit DiT --------------------------------------------------------------------
+
+
+def _lora_sequence(pipe: QuantPipe, device: torch.device | str, evict: Callable[[], None]) -> list[torch.Tensor]:
+    """Outputs before a LoRA, with it, fused, unfused, and after it is deleted (peft on
+    bitsandbytes nf4: fusing dequantizes, adds the delta and quantizes a new Params4bit).
+    ``evict`` runs before fusing and unfusing (the weights are then on the host)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    outs = [pipe(_x(device))]
+    pipe.transformer.is_loaded_in_4bit = True  # peft then wraps Linear4bit in its bnb LoRA layer
+    torch.manual_seed(5)
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=["fc1", "qkv"], init_lora_weights=False)
+    inject_adapter_in_model(config, pipe.transformer)
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, BaseTunerLayer)]
+    outs.append(pipe(_x(device)))
+    for step in ("merge", "unmerge"):
+        evict()
+        for m in layers:
+            getattr(m, step)()
+        outs.append(pipe(_x(device)))
+    for m in layers:
+        m.delete_adapter("default")
+    outs.append(pipe(_x(device)))
+    return outs
+
+
+@pytest.mark.slow  # bitsandbytes' CPU 4-bit kernels: about 10 s in all
+def test_a_lora_fused_and_unloaded_on_a_4bit_dit_equals_all_resident(fake_device):
+    pytest.importorskip("peft", reason="LoRA needs peft (the `test` extra)")
+    want = _lora_sequence(quantized("bnb-nf4"), "cpu", lambda: None)
+    assert not torch.equal(want[0], want[1])  # the LoRA changes the output
+    pipe = quantized("bnb-nf4")
+    with ModelLevelOffloadBackend(MODULE, fake_device) as backend:
+        backend.enable(pipe)
+        got = _lora_sequence(pipe, fake_device, lambda: pipe.text_encoder(_x(fake_device)))
+        assert backend.audit() == [] and _follows(pipe) == []
+        # peft puts a new LoRA layer on its base weight's device (the DiT was resident):
+        # its host copy is the one device->host copy, no weight is ever written back
+        # (four blocks; r=4 on qkv 64->192: 4*64 + 192*4 and fc1 64->128: 4*64 + 128*4, float32)
+        lora_bytes = 4 * (4 * 64 + 192 * 4 + 4 * 64 + 128 * 4) * 4
+        assert backend.stats.d2h_bytes == lora_bytes
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max().item()}"
+    assert fa.stats()["races_detected"] == 0
