@@ -233,17 +233,16 @@ LAYER = {"mode": "layer", "components": ["dit"]}
 
 def _backend(mode: str, fmt: str, device: torch.device) -> ModelLevelOffloadBackend | LayerwiseOffloadBackend:
     """Module mode, layer mode, or layer mode with a budget that keeps one block resident
-    (room for the running block, the prefetch and one more)."""
+    (room for the running block, the prefetch and one more, with half a block to spare
+    for the arenas' alignment padding)."""
     if mode == "module":
         return ModelLevelOffloadBackend(MODULE, device)
     if mode == "layer":
         return LayerwiseOffloadBackend(LAYER, device)
-    sizing = quantized(fmt)
-    with LayerwiseOffloadBackend(LAYER, device) as probe:
-        probe.enable(sizing)
-        block = max(b.nbytes for seq in probe.streamer.sequences.values() for b in seq)
-        fixed = probe.fixed_bytes
-    return LayerwiseOffloadBackend(LAYER, device, device_memory_budget=fixed + 3 * block + 64)
+    pipe = quantized(fmt)
+    block = stored_bytes([pipe.transformer.blocks[0]])
+    fixed = stored_bytes([pipe.text_encoder, pipe.transformer]) - 4 * block  # the trunk and the encoder
+    return LayerwiseOffloadBackend(LAYER, device, device_memory_budget=fixed + int(3.5 * block))
 
 
 def _host_side(mode: str, pipe: QuantPipe) -> list[nn.Module]:
@@ -256,7 +255,9 @@ def _host_side(mode: str, pipe: QuantPipe) -> list[nn.Module]:
 # -- the matrix -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["module", "layer", "budget"])
+# layer mode without a budget streams the same blocks as with one (which keeps one
+# resident): the full sweep runs it, the default run keeps to the other two
+@pytest.mark.parametrize("mode", ["module", pytest.param("layer", marks=pytest.mark.full), "budget"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_quantized_weights_move_like_plain_ones(fmt, mode, fake_device):
     want = reference(fmt, fake_device)
