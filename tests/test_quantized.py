@@ -20,7 +20,6 @@ import warnings
 from collections.abc import Callable
 from typing import ClassVar
 
-import numpy as np
 import pytest
 import torch
 from torch import nn

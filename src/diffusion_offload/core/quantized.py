@@ -44,6 +44,7 @@ modules.py`` (``Params4bit``, ``Int8Params``, ``Linear8bitLt.init_8bit_state``) 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,8 +58,8 @@ __all__ = [
     "UnsupportedTensorError",
     "carriers",
     "module_carriers",
+    "check_rebuild",
     "refresh",
-    "stored_bytes",
 ]
 
 DEVICE_TENSOR = "__device_tensor__"
@@ -99,33 +100,30 @@ class Carrier:
         self.outers = outers
 
 
-def _is_device_tensor(t: torch.Tensor) -> bool:
-    return bool(getattr(type(t), DEVICE_TENSOR, False))
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in type(t).__mro__)
-
-
-def _bnb_kind(t: torch.Tensor) -> str | None:
-    for c in type(t).__mro__:
+@functools.cache
+def _kind(cls: type) -> str:
+    """How a tensor of class ``cls`` is carried: ``plain`` (a tensor, a Parameter, a
+    DTensor), ``Params4bit`` / ``Int8Params`` (bitsandbytes), ``device`` (a device's own
+    class, ``DEVICE_TENSOR``), ``wrapper`` (a traceable wrapper subclass) or ``other``
+    (any other subclass: checked per tensor)."""
+    if cls in _PLAIN:
+        return "plain"
+    for c in cls.__mro__:
+        if c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed"):
+            return "plain"
         if c.__module__.startswith("bitsandbytes") and c.__name__ in ("Params4bit", "Int8Params"):
             return c.__name__
-    return None
-
-
-def _is_traceable(t: torch.Tensor) -> bool:
-    return (
-        type(t) not in _PLAIN
-        and hasattr(type(t), "__tensor_flatten__")
-        and hasattr(type(t), "__tensor_unflatten__")
-    )
+    if getattr(cls, DEVICE_TENSOR, False):
+        return "device"
+    if hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__"):
+        return "wrapper"
+    return "other"
 
 
 def _tensor_attrs(t: torch.Tensor) -> list[str]:
     """Names of the tensors in ``t``'s ``__dict__`` (a device tensor's own: left out)."""
     own: set[str] = set()
-    if _is_device_tensor(t):
+    if _kind(type(t)) == "device":
         for c in type(t).__mro__:
             if getattr(c, DEVICE_TENSOR, False) and DEVICE_TENSOR in vars(c):
                 own |= set(getattr(c, "__annotations__", {}))
@@ -161,9 +159,10 @@ def _flatten(name: str, t: torch.Tensor, outers: tuple[torch.Tensor, ...]) -> It
     for inner_name in inner_names:
         inner = getattr(t, inner_name)
         path = f"{name}.{inner_name}"
-        if _is_traceable(inner) and not _is_device_tensor(inner):
+        kind = _kind(type(inner))
+        if kind == "wrapper":
             yield from _flatten(path, inner, chain)
-        elif type(inner) in _PLAIN or _is_device_tensor(inner):
+        elif kind in ("plain", "device"):
             yield Carrier(path, inner, chain)
         else:
             raise _refuse(path, inner, f"an inner tensor of a {type(t).__name__} that is not plain")
@@ -182,9 +181,9 @@ def carriers(name: str, t: torch.Tensor) -> list[Carrier]:
         UnsupportedTensorError (a TypeError): naming ``name``, ``t``'s class and
             ``SUPPORTED``.
     """
-    if type(t) in _PLAIN or _is_dtensor(t):
+    kind = _kind(type(t))
+    if kind == "plain":
         return [Carrier(name, t)]
-    kind = _bnb_kind(t)
     if kind == "Params4bit":
         return [Carrier(name, t)] + [
             Carrier(n, s) for n, s in _quant_state_tensors(f"{name}.quant_state", getattr(t, "quant_state", None))
@@ -192,9 +191,9 @@ def carriers(name: str, t: torch.Tensor) -> list[Carrier]:
     if kind == "Int8Params":
         extra = [Carrier(f"{name}.{k}", getattr(t, k)) for k in ("CB", "SCB") if isinstance(getattr(t, k, None), torch.Tensor)]
         return [Carrier(name, t), *extra]
-    if _is_traceable(t) and not _is_device_tensor(t):
+    if kind == "wrapper":
         return list(_flatten(name, t, ()))
-    if not _is_device_tensor(t) and not _has_storage(t):
+    if kind == "other" and not _has_storage(t):
         raise _refuse(name, t, "a wrapper subclass without __tensor_flatten__ / __tensor_unflatten__")
     stray = _tensor_attrs(t)
     if stray:
@@ -206,11 +205,16 @@ def module_carriers(prefix: str, module: nn.Module) -> list[Carrier]:
     """Tensors a module holds outside its parameters and buffers that carry weight bytes:
     bitsandbytes ``Linear8bitLt``'s ``state`` (``CB`` / ``SCB`` after its first forward,
     and its other state tensors). Empty for every other module."""
-    state = getattr(module, "state", None)
-    if not any(c.__name__ == "Linear8bitLt" and c.__module__.startswith("bitsandbytes") for c in type(module).__mro__):
+    if not _is_int8_linear(type(module)):
         return []
+    state = getattr(module, "state", None)
     base = f"{prefix}.state" if prefix else "state"
     return [Carrier(f"{base}.{k}", v) for k, v in vars(state).items() if isinstance(v, torch.Tensor)]
+
+
+@functools.cache
+def _is_int8_linear(cls: type) -> bool:
+    return any(c.__name__ == "Linear8bitLt" and c.__module__.startswith("bitsandbytes") for c in cls.__mro__)
 
 
 def _has_storage(t: torch.Tensor) -> bool:
@@ -269,9 +273,3 @@ def refresh(outers: tuple[torch.Tensor, ...]) -> None:
             if outer.requires_grad != requires_grad:
                 outer.requires_grad_(requires_grad)
 
-
-def stored_bytes(t: torch.Tensor) -> int:
-    """Bytes weight ``t`` holds: its carriers' (a quantized weight's data plus scales),
-    ``numel * element_size`` for a plain one. Raises ``UnsupportedTensorError`` as
-    ``carriers``."""
-    return sum(c.tensor.numel() * c.tensor.element_size() for c in carriers("", t))
