@@ -312,6 +312,24 @@ def test_inner_tensors_get_pinned_arena_host_copies_and_writes_are_found(fake_de
     assert fa.stats()["races_detected"] == 0
 
 
+def test_a_quantized_pipeline_placed_on_the_device_first_gets_one_host_copy(fake_device):
+    """torchao int8 weights moved to the device by ``Module.to`` before ``enable``: each
+    inner tensor gets its host copy through one device->host copy, then moves as usual."""
+    want = reference("torchao-int8", fake_device)
+    on_host = quantized("torchao-int8")
+    expected = stored_bytes([on_host.text_encoder, on_host.transformer])
+    pipe = quantized("torchao-int8").to(fake_device)
+    with ModelLevelOffloadBackend(MODULE, fake_device) as backend:
+        backend.enable(pipe)
+        adopted = backend.stats.d2h_bytes
+        outs = [pipe(_x(fake_device)) for _ in range(2)]
+        assert backend.audit() == [] and _follows(pipe) == []
+        assert backend.stats.d2h_bytes == adopted  # no write-back after the host copies
+    assert adopted == expected
+    assert all(torch.equal(out, want) for out in outs)
+    assert fa.stats()["races_detected"] == 0
+
+
 class ScaledWeight(nn.Parameter):
     """A Parameter subclass that keeps its scale in a tensor attribute (a format the mover
     does not know: the scale would stay behind)."""
