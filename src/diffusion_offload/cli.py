@@ -390,16 +390,9 @@ def _plan(args: argparse.Namespace) -> int:
     from .planner.model import load_plan_model
     from .planner.plan import describe_plan, format_plan, plan_model, resolve_request, rows_json
 
-    from .planner.widths import parse_weights_dtype
-
     names = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
     try:
-        parse_weights_dtype(args.weights_dtype)
-    except ValueError as exc:
-        raise CliError(f"--weights-dtype: {exc}") from None
-    try:
-        pm = load_plan_model(args.model, variant=args.variant, dtype=args.dtype or "auto",
-                             weights_dtype=args.weights_dtype)
+        pm = load_plan_model(args.model, variant=args.variant, dtype=args.dtype or "auto")
         request = resolve_request(pm, args.height, args.width, args.num_frames, args.steps,
                                   names=names)
         device_memory = args.device_memory

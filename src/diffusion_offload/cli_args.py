@@ -429,12 +429,6 @@ def _add_plan_parser(sub: Any) -> None:
                       help="weight dtype (default: auto, the checkpoint's own)")
     plan.add_argument("--variant", metavar="NAME",
                       help="weight file variant, as for generate (default: the plain files)")
-    plan.add_argument("--weights-dtype", metavar="WIDTH|KEY=WIDTH,...",
-                      help="size Linear weights quantized at load at this stored width, scales "
-                           "included: one of fp8, int8, nf4, int4, bf16, fp16, fp32 for every DiT "
-                           "and encoder (e.g. fp8), or per role or component "
-                           "(e.g. dit=fp8,text_encoder=bf16) (default: as stored, or the "
-                           "component config's quantization_config)")
     plan.add_argument("--json", action="store_true",
                       help="print the rows as JSON instead of a table (default: table)")
 
@@ -584,8 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_libraries(heavy: bool = True) -> None:
     """Silence library chatter that does not concern the user, the same way in every command:
     transformers/diffusers/huggingface_hub warnings below error level, their loading and
-    saving progress bars, and Python warnings raised inside those libraries and torch; the
-    quantization libraries' (torchao, bitsandbytes, optimum-quanto) import-time logs.
+    saving progress bars, and Python warnings raised inside those libraries and torch.
 
     Environment variables are set first (``setdefault``, so a user's own choice wins) so
     that libraries imported later start quiet; with ``heavy`` (the command is about to
@@ -601,14 +594,9 @@ def quiet_libraries(heavy: bool = True) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for module in ("diffusers", "transformers", "torch", "huggingface_hub", "accelerate", "torchvision",
-                   "torchao", "bitsandbytes", "optimum"):
+    for module in ("diffusers", "transformers", "torch", "huggingface_hub", "accelerate", "torchvision"):
         warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
-    # the quantization libraries, which diffusers imports when installed, log at import time
-    # (torchao's optional kernels, bitsandbytes' optional CPU kernels, torch's pytree
-    # registrations of their enums)
-    for name in ("diffusers", "transformers", "huggingface_hub", "accelerate", "torchao",
-                 "bitsandbytes", "optimum.quanto", "torch.utils._pytree"):
+    for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if heavy:
         from diffusers.utils import logging as diffusers_logging

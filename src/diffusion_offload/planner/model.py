@@ -42,7 +42,6 @@ from torch import nn
 
 from ..core.arena import device_bytes
 from ..core.discovery import diffusers_role
-from .widths import config_width, parse_weights_dtype, stored_delta, width_for
 from ..models.files import (
     ModelError,
     check_model_index,
@@ -91,9 +90,6 @@ class ComponentSize:
             once per extra holder: what ``module.to(device)`` copies again on a
             PrivateUse1 device (the fake device, NPU), where PyTorch's ``_apply`` replaces
             each holder's Parameter instead of using ``set_data`` (bytes).
-        weights_dtype: the width its Linear weights are sized at (``widths.WIDTHS``:
-            ``--weights-dtype`` or its config's ``quantization_config``), or None (as
-            stored or loaded).
     """
 
     name: str
@@ -104,7 +100,6 @@ class ComponentSize:
     blocks: tuple[int, ...] = ()
     source: str = "safetensors headers"
     tied_extra: int = 0
-    weights_dtype: str | None = None
 
 
 @dataclass
@@ -248,15 +243,6 @@ def _build_meta(folder: Path, library: str, class_name: str, dtype: torch.dtype)
     return module
 
 
-def _config_json(text: str | None) -> dict[str, Any] | None:
-    """``config.json``'s object, or None (missing or not JSON)."""
-    try:
-        value = json.loads(text) if text else None
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def _config_text(folder: Path) -> str | None:
     try:
         return (folder / "config.json").read_text()
@@ -370,12 +356,10 @@ def discover_block_modules(module: nn.Module, override: Any = None) -> list[nn.M
         return []
 
 
-def _blocks(module: nn.Module, override: Any = None, width: str | None = None) -> tuple[int, ...]:
-    """Bytes of each block of ``module`` (layer mode), in execution order; () if none.
-    ``width``: its Linear weights stored at that width (``widths.stored_delta``)."""
+def _blocks(module: nn.Module, override: Any = None) -> tuple[int, ...]:
+    """Bytes of each block of ``module`` (layer mode), in execution order; () if none."""
     return tuple(
-        _module_bytes(block) + _arena_overhead(block) + (stored_delta(block, width) if width else 0)
-        for block in discover_block_modules(module, override)
+        _module_bytes(block) + _arena_overhead(block) for block in discover_block_modules(module, override)
     )
 
 
@@ -429,7 +413,6 @@ def load_plan_model(
     dtype: str | torch.dtype | None = "auto",
     component_roles: Mapping[str, str] | None = None,
     layer_blocks: Mapping[str, Any] | None = None,
-    weights_dtype: str | Mapping[str, str] | None = None,
 ) -> PlanModel:
     """Resolve ``model`` and size its components without reading a weight.
 
@@ -440,17 +423,11 @@ def load_plan_model(
             ``"float32"``, ``"float16"``, ``"bfloat16"`` or a torch dtype.
         component_roles: role overrides, as ``Omni(component_roles=...)``.
         layer_blocks: block container paths per component, as ``Omni(layer_blocks=...)``.
-        weights_dtype: the stored width of Linear weights quantized at load
-            (``widths.parse_weights_dtype``: ``"fp8"`` for every DiT and encoder, or
-            ``"dit=fp8,text_encoder=bf16"``, keys roles or component names). A component
-            it does not name is sized by its ``config.json``'s ``quantization_config``
-            when it has one, else as its checkpoint stores it.
 
     Raises:
         ModelError: the model cannot be found, has no usable ``model_index.json``, or a
             weight file is truncated or corrupt.
-        ValueError: a bad dtype, component role or ``weights_dtype`` (unknown width, or
-            a key that is neither a role nor a component).
+        ValueError: a bad dtype or component role.
     """
     path, weightless = _locate(model)
     index_file = path / "model_index.json"
@@ -466,7 +443,6 @@ def load_plan_model(
     check_model_index(index, index_file)
     files = {} if weightless else weight_files(path, variant)
     load_dtype = resolve_dtype(dtype, files, index)
-    widths = parse_weights_dtype(weights_dtype)
     roles = dict(component_roles or {})
     components: dict[str, ComponentSize] = {}
     modules: dict[str, nn.Module] = {}
@@ -507,33 +483,20 @@ def load_plan_model(
             nbytes = _module_bytes(module)
             source = "config (weightless)" if weightless else "config (no weight files)"
         nbytes += _arena_overhead(module)  # as an offloaded component's arenas allocate it
-        width = width_for(widths, name, role) or config_width(_config_json(config_text))
-        if width is not None:
-            floating = None
-            if name in files:  # a weight the checkpoint stores narrower already stays as it is
-                floating = {k: stored in _SAFETENSORS_FLOATS for k, (stored, _) in safetensors_tensors(files[name]).items()}
-            nbytes += stored_delta(module, width, floating)
         components[name] = ComponentSize(
             name=name, role=role, class_name=class_name, nbytes=nbytes,
             params=_param_count(module),
             # only DiTs and text encoders stream in layer mode (a VAE's containers are not
             # blocks, and discovering them would log a line per plan)
-            blocks=_blocks(module, (layer_blocks or {}).get(name), width)
+            blocks=_blocks(module, (layer_blocks or {}).get(name))
             if role in ("dit", "text_encoder") or name in (layer_blocks or {}) else (),
             source=source,
             tied_extra=_tied_extra(module),
-            weights_dtype=width,
         )
     if not any(c.role == "dit" for c in components.values()):
         raise ModelError(
             f"{str(index_file)!r} ({pipeline_class}) has no DiT or UNet component to plan for; "
             f"its module components: {sorted(components) or 'none'}"
-        )
-    unknown = sorted(k for k in widths if k not in components and k not in ("dit", "text_encoder", "encoder", "vae"))
-    if unknown:
-        raise ValueError(
-            f"weights_dtype names {unknown}, which are neither roles (dit, text_encoder, "
-            f"encoder, vae) nor module components of {pipeline_class}; components: {sorted(components)}"
         )
     for name in roles:
         if name not in components:

@@ -594,8 +594,7 @@ def rows_json(pm: PlanModel, request: Request, rows: Sequence[PlanRow], device_m
         "device_kind": device_kind,
         "h2d_bandwidth": bandwidth,
         "components": {c.name: {"role": c.role, "bytes": c.nbytes, "params": c.params,
-                                "blocks": len(c.blocks), "source": c.source,
-                                "weights_dtype": c.weights_dtype}
+                                "blocks": len(c.blocks), "source": c.source}
                        for c in pm.components.values()},
         "rows": [asdict(r) for r in rows],
         "auto": best.name if best is not None else None,
