@@ -336,13 +336,6 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             if any(b in kept for b in seq)
         }
 
-    @property
-    def wasted_prefetches(self) -> int:
-        """Prefetched blocks released without having run (a wrong guess, or a block a
-        cache skipped: at most one per cached forward); their bytes:
-        ``streamer.wasted_bytes``."""
-        return self.streamer.wasted_prefetches if self.streamer is not None else 0
-
     def disable(self) -> None:
         """Remove every hook; tensors stay where they are (see ``OffloadBackendBase``).
 
