@@ -409,7 +409,14 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             if self._streams(comp):
                 blocks = discover_blocks(comp.module, self.layer_blocks.get(comp.name), component=comp.name)
                 if comp.role == "dit":
-                    blocks = blocks[self.resident_layers("dit"):]
+                    keep = self.resident_layers("dit")
+                    if keep > len(blocks):
+                        raise ValueError(
+                            f"layer_options['dit'].resident_layers={keep} is larger than "
+                            f"{comp.name!r}'s {len(blocks)} blocks; allowed: 0..{len(blocks)} "
+                            f"({len(blocks)} keeps every block resident)"
+                        )
+                    blocks = blocks[keep:]
                 found[comp.name] = blocks
         check_disjoint(found)
         table = WeightTable(self.mover)
