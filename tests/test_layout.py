@@ -28,7 +28,7 @@ LONG_FILES: dict[str, str] = {}
 #: The root package ``diffusion_offload`` (a lazy facade over all of them) is left out.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),
-    ("config", "hooks"),  # the core's two public modules at their paths before the core package
+    ("config", "hooks", "hostmem"),  # core modules at their paths from before the core package
     ("testing",),
     ("lazy", "units"),
     ("models",),
