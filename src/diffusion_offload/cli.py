@@ -445,10 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a bad flag (already printed)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        if args.command in ("generate", "make-tiny", "serve"):
-            from .models.imports import import_model_libraries
-
-            import_model_libraries()
         if args.command == "generate":
             return _generate(args)
         if args.command == "make-tiny":

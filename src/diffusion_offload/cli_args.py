@@ -583,7 +583,9 @@ def quiet_libraries(heavy: bool = True) -> None:
     Environment variables are set first (``setdefault``, so a user's own choice wins) so
     that libraries imported later start quiet; with ``heavy`` (the command is about to
     load a model anyway) diffusers' and transformers' own switches are set too, which
-    imports them. The pipeline's denoising progress bar is not a loading bar and stays.
+    imports them, after the quantization backends they import were imported with their
+    import-time output silenced (``models.imports``). The pipeline's denoising progress
+    bar is not a loading bar and stays.
     """
     import logging
     import os
@@ -599,6 +601,9 @@ def quiet_libraries(heavy: bool = True) -> None:
     for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if heavy:
+        from .models.imports import import_model_libraries
+
+        import_model_libraries()
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 
