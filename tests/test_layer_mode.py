@@ -22,7 +22,7 @@ from diffusion_offload.models.caches import clear_method_caches
 from diffusion_offload.core.streamer import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
-from diffusion_offload.testing.toy import SyntheticDiT, SyntheticPipeline
+from diffusion_offload.testing.toy import SyntheticPipeline
 
 LAYER = {"mode": "layer", "components": ["dit", "text_encoder"]}
 BLOCKS = 8
