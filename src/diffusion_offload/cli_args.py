@@ -429,6 +429,11 @@ def _add_plan_parser(sub: Any) -> None:
                       help="weight dtype (default: auto, the checkpoint's own)")
     plan.add_argument("--variant", metavar="NAME",
                       help="weight file variant, as for generate (default: the plain files)")
+    plan.add_argument("--weights-dtype", metavar="FORMAT|KEY=FORMAT,...",
+                      help="size the weights as quantized or cast at load: one format for every "
+                           "DiT and text encoder (fp8, int8, nf4, int4, bf16, fp16, fp32), or per "
+                           "role or component, e.g. dit=fp8,text_encoder=bf16 (default: as stored; "
+                           "a component's quantization_config is honoured)")
     plan.add_argument("--json", action="store_true",
                       help="print the rows as JSON instead of a table (default: table)")
 
