@@ -8,7 +8,8 @@
    small text encoder, enables model-level offload, and times with CUDA synchronization:
    load from host copies pinned in place, load from pageable host copies, eviction of
    unmodified weights (no copy; fingerprints only), eviction with write-back of modified
-   weights, a load+evict cycle with the fingerprints stubbed out (their cost), and, as the
+   weights, a load+evict cycle with the write checks stubbed out (``check_stub``: their
+   cost), and, as the
    naive baseline, ``module.to(device)`` / ``module.to("cpu")`` of the same component.
    It also reports pinned bytes against weight bytes, whether the host storages were
    pinned in place (same data pointers before and after ``enable()``) and how much the
@@ -19,8 +20,8 @@
    4096 and at 16384 tokens, timed with synchronization (median of ``--repeats`` back to
    back forwards after one warm-up, as in a denoising loop): all resident; layer mode with
    prefetch; without prefetch (``prefetch=False``: every block copied when it runs); with
-   prefetch and ``resident_layers`` 10 and 20; and, as a diagnostic, with prefetch and the
-   write check (device fingerprints at each block's release) stubbed out. Reports the
+   prefetch and ``resident_layers`` 10 and 20; and with prefetch and ``check_writes=False``
+   (the write checks' cost). Reports the
    overhead vs resident, streamed bytes per forward and the H2D rate they amount to
    (streamed bytes / forward time), the pinned H2D bandwidth of one block-sized copy for
    reference, peak device memory (``max_memory_allocated``), and whether the output equals

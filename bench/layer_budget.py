@@ -18,7 +18,7 @@ within 1 %.
 First Block Cache: ``transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))`` on
 both DiTs, before and after ``enable``. The skipped blocks (a block's forward called, its
 body, ``attn1``, not run) must not stream: H2D = H2D without the cache - the skipped
-blocks' bytes + the wasted prefetches' bytes (``streamer.wasted_bytes``), with at most one
+blocks' bytes + the wasted prefetches' bytes (``stats.wasted_bytes``), with at most one
 wasted block per cached forward; outputs equal the same cache without offload, in layer
 and in module mode.
 
@@ -96,7 +96,6 @@ def steady(pipe: Any, backend: Any = None, counts: dict[str, int] | None = None)
     request(pipe)
     gc.collect()
     before = backend.stats.snapshot() if backend is not None else None
-    wasted = backend.streamer.wasted_bytes if isinstance(backend, LayerwiseOffloadBackend) else 0
     start = dict(counts or {})
     allocated = fa.stats()["allocated_bytes"]
     fa.reset_stats()
@@ -107,7 +106,7 @@ def steady(pipe: Any, backend: Any = None, counts: dict[str, int] | None = None)
         spent = backend.stats.since(before)
         row.update(h2d=spent.h2d_bytes, fallbacks=spent.fallback_loads, d2h=spent.d2h_bytes)
     if isinstance(backend, LayerwiseOffloadBackend):
-        row["wasted"] = backend.streamer.wasted_bytes - wasted
+        row["wasted"] = spent.wasted_bytes
         row["audit"] = backend.audit()
     if counts is not None:
         row["counts"] = {k: v - start.get(k, 0) for k, v in counts.items()}

@@ -434,8 +434,8 @@ def test_mp4_report_and_trace(runs):
     stats = report["offload_stats"]
     assert set(stats) == {
         "h2d_bytes", "d2h_bytes", "loads", "evictions", "transfer_seconds", "fingerprint_bytes",
-        "fingerprints", "check_d2h_bytes", "device_checks", "host_checks", "prefetches", "fallback_loads", "pinned_bytes",
-        "pageable_host_bytes",
+        "fingerprints", "check_d2h_bytes", "device_checks", "host_checks", "prefetches", "fallback_loads",
+        "wasted_prefetches", "wasted_bytes", "pinned_bytes", "pageable_host_bytes",
     }
     assert stats["loads"] == 2 and stats["h2d_bytes"] > 0  # transformer, then transformer_2
 

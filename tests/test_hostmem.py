@@ -67,3 +67,81 @@ def test_unpin_in_place_undoes_a_registration():
     hostmem.unpin_in_place(platform, t.untyped_storage())
     assert platform.live == set()
     assert hostmem.pin_in_place(platform, t.untyped_storage())  # and it can register again
+
+
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+
+from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend  # noqa: E402
+from diffusion_offload.testing.toy import SyntheticPipeline, ToyPipeline  # noqa: E402
+
+
+def _nbytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the modules' parameters and buffers (non-persistent ones included)."""
+    tensors = {id(t): t for m in modules for t in [*m.parameters(), *m.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _setup(mode: str):
+    """A pipeline, its call on the device and the bytes of its host copies in ``mode``."""
+    if mode == "module":
+        ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(3))
+        image = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+        make = lambda: ToyPipeline(dim=64)  # noqa: E731
+        call = lambda p, dev: p(ids, image, device=dev)  # noqa: E731
+        offloaded = lambda p: _nbytes(p.transformer, p.transformer_2)  # noqa: E731
+    else:
+        x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(3))
+        make = lambda: SyntheticPipeline(num_blocks=6)  # noqa: E731
+        call = lambda p, dev: p(x.to(dev)).cpu()  # noqa: E731
+        offloaded = lambda p: _nbytes(*p.transformer.blocks)  # noqa: E731
+    return make, call, offloaded
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_pinning_stops_at_the_host_memory_available(mode, in_place, fake_device, monkeypatch):
+    """With the host reporting half the offloaded weights as available, at most that many
+    bytes are pinned (the rest pageable, one warning naming both numbers), host copies are
+    exactly 1.0x the offloaded weights, and the output equals the all-resident one (shared
+    case weights/12); in place or not (a driver that refuses ``cudaHostRegister``)."""
+    make, call, offloaded = _setup(mode)
+    with torch.no_grad():
+        want = call(make().to(fake_device), fake_device)
+    cls = ModelLevelOffloadBackend if mode == "module" else LayerwiseOffloadBackend
+    config = {"mode": mode, "components": ["dit"]}
+    control = cls(config, fake_device)
+    kept = make()  # hooks hold modules weakly: keep it alive
+    control.enable(kept)
+    weights = control.stats.pinned_bytes  # the host has room: everything pinned
+    assert control.stats.pageable_host_bytes == 0
+    control.disable()
+    del kept
+    # within 4 bytes a tensor of the weights' own bytes (storage spans: a scalar view
+    # of a larger storage has its span copied)
+    pipe = make()
+    assert 0 <= weights - offloaded(pipe) <= 4 * sum(1 for _ in pipe.parameters())
+    half = weights // 2
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: half)
+    if not in_place:
+        monkeypatch.setattr(type(torch.fakegpu), "host_register", staticmethod(lambda ptr, n: False), raising=False)
+    backend = cls(config, fake_device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.enable(pipe)
+    try:
+        s = backend.stats
+        assert 0 < s.pinned_bytes <= half
+        assert s.pinned_bytes + s.pageable_host_bytes == weights
+        pins = [str(w.message) for w in caught if "pinning at most" in str(w.message)]
+        assert pins == [f"pinning at most {half} of the {weights} bytes of host copies: the host has "
+                        f"{half} bytes available (MemAvailable); the rest stays in pageable memory "
+                        "(synchronous host->device copies)"]
+        assert backend.max_pinned_bytes is None and backend.mover.max_pinned_bytes is None
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(call(pipe, fake_device), want)
+        assert backend.audit() == []
+    finally:
+        backend.disable()

@@ -203,10 +203,10 @@ def test_first_block_cache_in_layer_mode_streams_only_the_blocks_that_run(order,
         for _ in range(2 if order == "cache after enable" else 1):
             _call(pipe)
         counts = _count_bodies(pipe)
-        start, wasted = backend.stats.snapshot(), backend.streamer.wasted_bytes
+        start = backend.stats.snapshot()
         out = _call(pipe)
         spent = backend.stats.since(start)
-        wasted_bytes = backend.streamer.wasted_bytes - wasted
+        wasted_bytes = spent.wasted_bytes
         assert torch.equal(out, reference)
         assert counts == ref_counts
         seq = {c: {b.name: b.nbytes for b in s} for c, s in backend.streamer.sequences.items()}
@@ -218,12 +218,13 @@ def test_first_block_cache_in_layer_mode_streams_only_the_blocks_that_run(order,
         skipped = sum(counts[f"call {i}"] - counts[f"body {i}"] for i in range(LAYERS)) * block
         assert skipped == cached * (LAYERS - 1) * block
         # the skipped blocks do not stream; the one prefetched during each cached
-        # forward's head block is the only waste, counted (streamer.wasted_bytes)
+        # forward's head block is the only waste, counted (stats.wasted_bytes)
         # the issue's bound: the skipped blocks' bytes, less at most one block per cached forward
         assert streamed_all - skipped < spent.h2d_bytes <= streamed_all - skipped + cached * block
         if order == "cache after enable":
             assert spent.h2d_bytes == streamed_all - skipped + wasted_bytes
             assert 0 < wasted_bytes <= cached * block and wasted_bytes % block == 0
+            assert spent.wasted_prefetches == wasted_bytes // block
         assert spent.fallback_loads == 0 and spent.d2h_bytes == 0
         assert backend.audit() == []
 

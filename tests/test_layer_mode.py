@@ -17,11 +17,12 @@ from torch import nn
 
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
 from diffusion_offload.core.discovery import SupportsComponentDiscovery
+from diffusion_offload.core.hooks import get_hook
 from diffusion_offload.models.caches import clear_method_caches
 from diffusion_offload.core.streamer import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
-from diffusion_offload.testing.toy import SyntheticDiT, SyntheticPipeline
+from diffusion_offload.testing.toy import SyntheticPipeline
 
 LAYER = {"mode": "layer", "components": ["dit", "text_encoder"]}
 BLOCKS = 8
@@ -310,6 +311,26 @@ def test_skipped_or_repeated_blocks_fall_back_once_then_follow_what_runs(kwargs,
         assert backend.streamer.max_on_device <= 2
         assert backend.audit() == []
     assert _races() == 0
+
+
+@pytest.mark.parametrize("keep", [4, 5])
+def test_resident_layers_beyond_the_block_count_is_refused_before_anything_moves(keep, fake_device):
+    """``resident_layers`` up to the block count is accepted (all of them: nothing
+    streams); one more is a ValueError giving the count, with no hook left and every
+    weight where it was."""
+    pipe = OneDiT(num_blocks=4)
+    before = {n: (t.device, t.data_ptr()) for n, t in pipe.state_dict(keep_vars=True).items()}
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": keep}}}
+    backend = LayerwiseOffloadBackend(config, fake_device)
+    if keep == 4:
+        backend.enable(pipe)
+        assert backend.streamer.sequences.get("transformer", []) == []
+        backend.disable()
+        return
+    with pytest.raises(ValueError, match=r"resident_layers=5 is larger than 'transformer'\'s 4 blocks; allowed: 0\.\.4"):
+        backend.enable(pipe)
+    assert {n: (t.device, t.data_ptr()) for n, t in pipe.state_dict(keep_vars=True).items()} == before
+    assert get_hook(pipe.transformer) is None
 
 
 def test_a_mover_that_skips_the_event_wait_is_caught(fake_device, monkeypatch):

@@ -28,7 +28,7 @@ LONG_FILES: dict[str, str] = {}
 #: The root package ``diffusion_offload`` (a lazy facade over all of them) is left out.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),
-    ("config", "hooks"),  # the core's two public modules at their paths before the core package
+    ("config", "hooks", "hostmem"),  # core modules at their paths from before the core package
     ("testing",),
     ("lazy", "units"),
     ("models",),
@@ -331,3 +331,15 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
         f"{ROOT}.core.hooks imports {ROOT}.core.streamer (core.streamer is above core.hooks)",
         f"{ROOT}.core.streamer imports {ROOT}.cli (layer ('cli', '__main__') is above ('core',))",
     ]
+
+
+def test_the_paths_from_before_the_core_package_are_the_core_modules():
+    """``diffusion_offload.config``, ``.hooks`` and ``.hostmem`` (the paths before the
+    offload core became one package, which users' code and the shared cases import) are
+    the core modules themselves: one object each, so replacing a function through either
+    name changes what the engine calls."""
+    import importlib
+
+    for name in ("config", "hooks", "hostmem"):
+        old = importlib.import_module(f"{ROOT}.{name}")
+        assert old is importlib.import_module(f"{ROOT}.core.{name}")

@@ -260,7 +260,6 @@ def test_budget_decode_recovers_from_oom_and_strict_never_needs_to(fake_device):
             ref = _run(pipe, kind)
             assert backend.policy.retries == 1 and backend.policy.decode_needs_room
             assert backend.audit() == []
-            start = backend.stats.snapshot()
             assert np.abs(_run(pipe, kind) - ref).max() == 0.0  # now it evicts before decoding
             assert backend.policy.retries == 1
             assert backend.audit() == []

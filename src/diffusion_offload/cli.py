@@ -392,7 +392,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     names = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
     try:
-        pm = load_plan_model(args.model, variant=args.variant, dtype=args.dtype or "auto")
+        pm = load_plan_model(args.model, variant=args.variant, dtype=args.dtype or "auto",
+                             weights_dtype=args.weights_dtype)
         request = resolve_request(pm, args.height, args.width, args.num_frames, args.steps,
                                   names=names)
         device_memory = args.device_memory

@@ -429,6 +429,11 @@ def _add_plan_parser(sub: Any) -> None:
                       help="weight dtype (default: auto, the checkpoint's own)")
     plan.add_argument("--variant", metavar="NAME",
                       help="weight file variant, as for generate (default: the plain files)")
+    plan.add_argument("--weights-dtype", metavar="FORMAT|KEY=FORMAT,...",
+                      help="size the weights as quantized or cast at load: one format for every "
+                           "DiT and text encoder (fp8, int8, nf4, int4, bf16, fp16, fp32), or per "
+                           "role or component, e.g. dit=fp8,text_encoder=bf16 (default: as stored; "
+                           "a component's quantization_config is honoured)")
     plan.add_argument("--json", action="store_true",
                       help="print the rows as JSON instead of a table (default: table)")
 
@@ -583,7 +588,9 @@ def quiet_libraries(heavy: bool = True) -> None:
     Environment variables are set first (``setdefault``, so a user's own choice wins) so
     that libraries imported later start quiet; with ``heavy`` (the command is about to
     load a model anyway) diffusers' and transformers' own switches are set too, which
-    imports them. The pipeline's denoising progress bar is not a loading bar and stays.
+    imports them, after the quantization backends they import were imported with their
+    import-time output silenced (``models.imports``). The pipeline's denoising progress
+    bar is not a loading bar and stays.
     """
     import logging
     import os
@@ -599,6 +606,9 @@ def quiet_libraries(heavy: bool = True) -> None:
     for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if heavy:
+        from .models.imports import import_model_libraries
+
+        import_model_libraries()
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 

@@ -1,23 +1,12 @@
 """``diffusion_offload.config``: the offload configuration, at its path from before the
-offload core became ``diffusion_offload.core`` (kept so that code written against it keeps
-importing). Defined in ``diffusion_offload.core.config``; the same objects."""
+offload core became ``diffusion_offload.core``. This name is the module
+``diffusion_offload.core.config`` itself (the same objects), kept so that code written
+against the old path keeps importing."""
 
 from __future__ import annotations
 
-from .core.config import (
-    COMPONENTS,
-    MODES,
-    WEIGHT_TRANSFERS,
-    DiffusionOffloadConfig,
-    LayerOptions,
-    parse_diffusion_offload_config,
-)
+import sys
 
-__all__ = [
-    "COMPONENTS",
-    "MODES",
-    "WEIGHT_TRANSFERS",
-    "DiffusionOffloadConfig",
-    "LayerOptions",
-    "parse_diffusion_offload_config",
-]
+from .core import config
+
+sys.modules[__name__] = config

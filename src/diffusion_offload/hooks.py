@@ -1,9 +1,12 @@
 """``diffusion_offload.hooks``: the offload hooks, at their path from before the offload
-core became ``diffusion_offload.core`` (kept so that code written against it keeps
-importing). Defined in ``diffusion_offload.core.hooks``; the same objects."""
+core became ``diffusion_offload.core``. This name is the module
+``diffusion_offload.core.hooks`` itself (the same objects), kept so that code written
+against the old path keeps importing."""
 
 from __future__ import annotations
 
-from .core.hooks import HookHandle, SequentialOffloadHook, attach_hook, get_hook, offload_component
+import sys
 
-__all__ = ["HookHandle", "SequentialOffloadHook", "attach_hook", "get_hook", "offload_component"]
+from .core import hooks
+
+sys.modules[__name__] = hooks

@@ -158,8 +158,6 @@ class BlockStreamer:
         choose_kept: ``calls -> blocks to keep``, called at the start of every request
             after the first with the forward calls per component of the request observed
             (None: no budget, nothing kept).
-        wasted_prefetches, wasted_bytes: prefetched blocks (and their bytes) released
-            without having run: a guess that was wrong, or a block a cache skipped.
     """
 
     def __init__(
@@ -181,8 +179,6 @@ class BlockStreamer:
         self.retries = 0
         self.kept: set[StreamedBlock] = set()
         self.choose_kept: Callable[[dict[str, int]], set[StreamedBlock]] | None = None
-        self.wasted_prefetches = 0
-        self.wasted_bytes = 0
         self._unused: StreamedBlock | None = None  # the prefetch, until it runs
         self._skipping: set[str] = set()  # components whose running call skipped a block
         self._call: CallKey | None = None  # the call running now, or the last one
@@ -488,7 +484,7 @@ class BlockStreamer:
     def skip(self, block: StreamedBlock) -> None:
         """Block ``block``'s forward is called but its body will not run (a cache returns
         the cached output): it is neither loaded nor prefetched. A prefetch of it is
-        dropped (counted in ``wasted_prefetches``) and the next call's first block is
+        dropped (counted in ``stats.wasted_prefetches``) and the next call's first block is
         prefetched instead; the call does not replace the learned order."""
         with self.lock:
             self._skipping.add(block.component)
@@ -631,8 +627,8 @@ class BlockStreamer:
             if block not in self.kept:  # a kept block stays, prefetched or not
                 self._release(block)
                 if block is self._unused:
-                    self.wasted_prefetches += 1
-                    self.wasted_bytes += block.nbytes
+                    self.stats.wasted_prefetches += 1
+                    self.stats.wasted_bytes += block.nbytes
         if block is self._unused:
             self._unused = None
         self.prefetched = None

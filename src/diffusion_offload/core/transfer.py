@@ -92,6 +92,10 @@ class TransferStats:
         fallback_loads: layer mode: blocks that ran without having been prefetched (the
             model skipped or repeated a block, or the first block of a first call) and
             were loaded synchronously.
+        wasted_prefetches: layer mode: prefetched blocks released without having run (a
+            wrong guess, or a block a cache such as First Block Cache skipped: at most one
+            per cached forward).
+        wasted_bytes: the H2D bytes of those blocks (part of ``h2d_bytes``).
         pinned_bytes: bytes of host copies in pinned (page-locked) memory now (a gauge).
         pageable_host_bytes: bytes of host copies in pageable memory now (a gauge).
     """
@@ -108,6 +112,8 @@ class TransferStats:
     host_checks: int = 0
     prefetches: int = 0
     fallback_loads: int = 0
+    wasted_prefetches: int = 0
+    wasted_bytes: int = 0
     pinned_bytes: int = 0
     pageable_host_bytes: int = 0
 

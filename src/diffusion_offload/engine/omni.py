@@ -183,8 +183,8 @@ class Omni:
         diffusion_offload_config: the offload config (mapping, JSON text or parsed), None
             for no offload (everything on the device), or ``"auto"``: the planner's fastest
             candidate that fits the device's free memory at ``plan_shape``
-            (``diffusion_offload.planner.auto``); the pick is logged in one line and kept
-            in ``plan_choice`` (a ``PlanRow``).
+            (``diffusion_offload.planner.auto``); the pick is logged in one line, kept
+            in ``plan_message``, and its row in ``plan_choice`` (a ``PlanRow``).
         enable_cpu_offload: the legacy switch (model-level offload of every DiT and encoder).
         device: the accelerator; None picks one (see ``pick_device``).
         dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float16"``, ``"bfloat16"``.
@@ -262,6 +262,7 @@ class Omni:
         self.component_roles = self._check_roles(component_roles)
         self.dtype = self._resolve_dtype(dtype_choice)
         self.plan_choice = None
+        self.plan_message: str | None = None  # auto's pick, the line it logs
         if auto:
             self.config, picked_budget = self._auto_config(
                 plan_shape, layer_blocks, budget=device_memory_budget is None)
@@ -367,6 +368,7 @@ class Omni:
             budget=budget,
         )
         self.plan_choice = choice.row
+        self.plan_message = choice.message
         logger.info(choice.message)
         return choice.config, choice.budget
 

@@ -244,7 +244,7 @@ class _EfficientAttention(TorchFunctionMode):
             shape = (*query.shape[:-1], value.shape[-1])
             lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
             out = torch.empty(shape, dtype=query.dtype, device=query.device)
-            del lse
+            del lse  # the log-sum-exp buffer: alive beside the output, then freed
             return out
         return func(*args, **kwargs)
 

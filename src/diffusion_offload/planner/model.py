@@ -49,6 +49,7 @@ from ..models.files import (
     safetensors_tensors,
     weight_files,
 )
+from .quant import format_delta, format_from_quantization_config, parse_weights_dtype, weights_format_for
 
 __all__ = ["ComponentSize", "PlanModel", "configs_root", "load_plan_model", "shipped_models"]
 
@@ -90,6 +91,8 @@ class ComponentSize:
             once per extra holder: what ``module.to(device)`` copies again on a
             PrivateUse1 device (the fake device, NPU), where PyTorch's ``_apply`` replaces
             each holder's Parameter instead of using ``set_data`` (bytes).
+        weights_format: the format ``nbytes`` and ``blocks`` are sized in when it is not
+            the load dtype (``planner.quant``: ``"fp8"``, ``"nf4"``...), else None.
     """
 
     name: str
@@ -100,6 +103,7 @@ class ComponentSize:
     blocks: tuple[int, ...] = ()
     source: str = "safetensors headers"
     tied_extra: int = 0
+    weights_format: str | None = None
 
 
 @dataclass
@@ -315,6 +319,14 @@ def _header_bytes(files: list[Path], dtype: torch.dtype, keep: tuple[str, ...] |
     return total
 
 
+def _stored_quantized(files: list[Path]) -> bool:
+    """Whether the safetensors headers of ``files`` hold quantized weights (8-bit floats,
+    or 8-bit integers: bitsandbytes' and torchao's serialised formats)."""
+    return bool(files) and any(
+        stored in ("F8_E4M3", "F8_E5M2", "I8", "U8") for stored, _ in safetensors_tensors(files).values()
+    )
+
+
 def _checkpoint_dtype(files: dict[str, list[Path]]) -> torch.dtype | None:
     """The dominant floating dtype of the DiTs' files (else of all files), as
     ``Omni(dtype="auto")`` picks it."""
@@ -413,6 +425,7 @@ def load_plan_model(
     dtype: str | torch.dtype | None = "auto",
     component_roles: Mapping[str, str] | None = None,
     layer_blocks: Mapping[str, Any] | None = None,
+    weights_dtype: str | Mapping[str, str] | None = None,
 ) -> PlanModel:
     """Resolve ``model`` and size its components without reading a weight.
 
@@ -423,11 +436,17 @@ def load_plan_model(
             ``"float32"``, ``"float16"``, ``"bfloat16"`` or a torch dtype.
         component_roles: role overrides, as ``Omni(component_roles=...)``.
         layer_blocks: block container paths per component, as ``Omni(layer_blocks=...)``.
+        weights_dtype: formats the weights will be quantized or cast to at load
+            (``planner.quant.parse_weights_dtype``: ``"fp8"`` for every DiT and text
+            encoder, or ``"dit=fp8,text_encoder=bf16"``, keys roles or component names).
+            Without one, a component whose ``config.json`` has a ``quantization_config``
+            is sized in that format, unless its weight files are stored quantized already
+            (their headers then give the size).
 
     Raises:
         ModelError: the model cannot be found, has no usable ``model_index.json``, or a
             weight file is truncated or corrupt.
-        ValueError: a bad dtype or component role.
+        ValueError: a bad dtype, component role or weights format.
     """
     path, weightless = _locate(model)
     index_file = path / "model_index.json"
@@ -443,6 +462,7 @@ def load_plan_model(
     check_model_index(index, index_file)
     files = {} if weightless else weight_files(path, variant)
     load_dtype = resolve_dtype(dtype, files, index)
+    formats = parse_weights_dtype(weights_dtype)
     roles = dict(component_roles or {})
     components: dict[str, ComponentSize] = {}
     modules: dict[str, nn.Module] = {}
@@ -483,20 +503,35 @@ def load_plan_model(
             nbytes = _module_bytes(module)
             source = "config (weightless)" if weightless else "config (no weight files)"
         nbytes += _arena_overhead(module)  # as an offloaded component's arenas allocate it
+        override = (layer_blocks or {}).get(name)
+        # only DiTs and text encoders stream in layer mode (a VAE's containers are not
+        # blocks, and discovering them would log a line per plan)
+        streams = role in ("dit", "text_encoder") or name in (layer_blocks or {})
+        blocks = _blocks(module, override) if streams else ()
+        fmt = weights_format_for(formats, name, role)
+        if fmt is None and not _stored_quantized(files.get(name, [])):
+            fmt = format_from_quantization_config(config_text)
+        if fmt is not None:
+            nbytes += format_delta(module, fmt, load_dtype)
+            blocks = tuple(
+                b + format_delta(m, fmt, load_dtype)
+                for b, m in zip(blocks, discover_block_modules(module, override))
+            )
         components[name] = ComponentSize(
             name=name, role=role, class_name=class_name, nbytes=nbytes,
-            params=_param_count(module),
-            # only DiTs and text encoders stream in layer mode (a VAE's containers are not
-            # blocks, and discovering them would log a line per plan)
-            blocks=_blocks(module, (layer_blocks or {}).get(name))
-            if role in ("dit", "text_encoder") or name in (layer_blocks or {}) else (),
-            source=source,
-            tied_extra=_tied_extra(module),
+            params=_param_count(module), blocks=blocks, source=source,
+            tied_extra=_tied_extra(module), weights_format=fmt.name if fmt is not None else None,
         )
     if not any(c.role == "dit" for c in components.values()):
         raise ModelError(
             f"{str(index_file)!r} ({pipeline_class}) has no DiT or UNet component to plan for; "
             f"its module components: {sorted(components) or 'none'}"
+        )
+    unknown = sorted(set(formats) - set(components) - {"dit", "text_encoder"})
+    if unknown:
+        raise ValueError(
+            f"--weights-dtype names {unknown}, which are neither roles ('dit', 'text_encoder') "
+            f"nor module components of {pipeline_class}; components: {sorted(components)}"
         )
     for name in roles:
         if name not in components:

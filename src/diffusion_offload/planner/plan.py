@@ -451,6 +451,7 @@ def plan_offload(
     component_roles: Mapping[str, str] | None = None,
     cfg: bool | None = None,
     max_sequence_length: int | None = None,
+    weights_dtype: str | Mapping[str, str] | None = None,
 ) -> list[PlanRow]:
     """Predict, for every offload candidate, resting and peak device bytes and transfer cost.
 
@@ -474,6 +475,8 @@ def plan_offload(
         component_roles: role overrides, as ``Omni(component_roles=...)``.
         cfg: classifier-free guidance on/off (None: see :class:`~.stages.Request`).
         max_sequence_length: text tokens (None: the pipeline's default).
+        weights_dtype: formats the weights are quantized or cast to at load
+            (``"fp8"``, ``"dit=fp8,text_encoder=bf16"``: :mod:`.quant`).
 
     Returns:
         One :class:`PlanRow` per candidate: all resident, module mode for each selection
@@ -495,7 +498,8 @@ def plan_offload(
         device_memory = default_device_memory(device_kind)
     if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 0:
         raise ValueError(f"device_memory={device_memory!r} is not allowed; allowed: an int >= 0 (bytes)")
-    pm = load_plan_model(model, variant=variant, dtype=dtype, component_roles=component_roles)
+    pm = load_plan_model(model, variant=variant, dtype=dtype, component_roles=component_roles,
+                         weights_dtype=weights_dtype)
     request = resolve_request(pm, height, width, num_frames, steps, cfg, max_sequence_length)
     return plan_model(pm, request, device_memory, device_kind=device_kind, h2d_bandwidth=h2d_bandwidth)
 
@@ -571,7 +575,8 @@ def describe_plan(pm: PlanModel, request: Request, device_memory: int, device_ki
         f"{describe_memory_model(device_kind)}",
         f"host->device: {bandwidth / 1e9:g} GB/s",
         "components: " + ", ".join(
-            f"{c.name} {human_bytes(c.nbytes)} ({c.role}, {c.params / 1e9:.2f}e9 params)"
+            f"{c.name} {human_bytes(c.nbytes)} ({c.role}, {c.params / 1e9:.2f}e9 params"
+            + (f", {c.weights_format}" if c.weights_format else "") + ")"
             for c in describe_components(pm)),
         "",
     ]
@@ -594,7 +599,8 @@ def rows_json(pm: PlanModel, request: Request, rows: Sequence[PlanRow], device_m
         "device_kind": device_kind,
         "h2d_bandwidth": bandwidth,
         "components": {c.name: {"role": c.role, "bytes": c.nbytes, "params": c.params,
-                                "blocks": len(c.blocks), "source": c.source}
+                                "blocks": len(c.blocks), "source": c.source,
+                                "weights_format": c.weights_format}
                        for c in pm.components.values()},
         "rows": [asdict(r) for r in rows],
         "auto": best.name if best is not None else None,

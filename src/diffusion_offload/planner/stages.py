@@ -38,7 +38,6 @@ Supported: ``WanPipeline``, ``FluxPipeline``, ``StableDiffusion3Pipeline``,
 from __future__ import annotations
 
 import inspect
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -150,18 +149,15 @@ class _Run:
         replay = self._replay.get(component)
         if replay is not None:
             transient, shape, dtype = replay
-            scratch = torch.empty(transient, dtype=torch.uint8, device=_META)
-            del scratch
+            torch.empty(transient, dtype=torch.uint8, device=_META)  # the transient peak, freed at once
             out = torch.empty(shape, dtype=dtype, device=_META)
         else:
-            before = self.tracker.now
             self.tracker.reset_peak()
             result = module(*args, **kwargs)
             out = result[0] if isinstance(result, (tuple, list)) else result
             del result
             transient = self.tracker.peak - self.tracker.now + _nbytes(out)
             self._replay[component] = (max(transient, 0), tuple(out.shape), out.dtype)
-            del before
         self._current[1] = max(self._current[1], self.tracker.peak)  # type: ignore[index]
         self.report.segments[-1] = (self._current[0], self._current[1])  # type: ignore[index]
         return out
@@ -342,7 +338,6 @@ def _flux(pm: PlanModel, req: Request, run: _Run) -> None:
     t_dev = _dev((len(timesteps),), torch.float32)
     guidance = (torch.full([1], 3.5, dtype=torch.float32, device=_META).expand(1)
                 if dit.config.guidance_embeds else None)
-    passes = 2 if cfg else 1
     for i, t in enumerate(timesteps):
         timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
         outs = []
@@ -480,7 +475,6 @@ def _qwen_image(pm: PlanModel, req: Request, run: _Run) -> None:
 
     timesteps = _timesteps(pm, req.steps, mu=mu, sigmas=np.linspace(1.0, 1 / req.steps, req.steps))
     t_dev = _dev((len(timesteps),), torch.float32)
-    passes = 2 if cfg else 1
     for i, t in enumerate(timesteps):
         timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
         outs = [run.forward("transformer", dit, hidden_states=latents,
@@ -582,8 +576,7 @@ class _BlockReplay:
             layout = self.memo.get(key) if key is not None else None
             if layout is not None:
                 transient, out_structure, cache_structures, idx_after = layout
-                scratch = torch.empty(transient, dtype=torch.uint8, device=_META)
-                del scratch
+                torch.empty(transient, dtype=torch.uint8, device=_META)  # the transient peak, freed at once
                 for i, structure in enumerate(cache_structures):
                     if structure is not None:
                         feat_cache[i] = _rebuild(structure)
@@ -627,8 +620,7 @@ class _BlockReplay:
             layout = self.memo.get(key) if key is not None else None
             if layout is not None:
                 transient, outputs = layout
-                scratch = torch.empty(transient, dtype=torch.uint8, device=_META)
-                del scratch
+                torch.empty(transient, dtype=torch.uint8, device=_META)  # the transient peak, freed at once
                 return _rebuild(outputs)
             tracker = self.tracker
             outer_peak = tracker.peak

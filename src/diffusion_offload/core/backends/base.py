@@ -247,8 +247,15 @@ class OffloadBackendBase:
                         "disable that backend first"
                     )
 
-    def _check_host_memory(self, named: dict[str, list[tuple[str, torch.Tensor]]], selected: dict[str, bool]) -> None:
-        """Refuse before anything moves when the host cannot hold the new host copies."""
+    def _check_host_memory(
+        self, named: dict[str, list[tuple[str, torch.Tensor]]], selected: dict[str, bool]
+    ) -> int | None:
+        """Refuse before anything moves when the host cannot hold the new host copies;
+        return the cap on pinned bytes for this ``enable``: ``max_pinned_bytes``, lowered
+        to the bytes pinned already plus the host memory available now
+        (``hostmem.available_host_bytes``) when the host cannot lock every host copy (as
+        mmgp's partial pinning does: page-locked memory cannot be reclaimed; the rest
+        stays pageable, with one warning). None: no cap."""
         needed = 0
         pinnable = 0
         seen: set[int] = set()
@@ -274,6 +281,16 @@ class OffloadBackendBase:
         limit = hostmem.locked_memory_limit()
         cap = self.max_pinned_bytes
         want = pinnable if cap is None else min(pinnable, cap)
+        room = None if available is None else self.mover.stats.pinned_bytes + available
+        if self.mover.pin and room is not None and want > room:
+            warnings.warn(
+                f"pinning at most {room} of the {want} bytes of host copies: the host has "
+                f"{available} bytes available (MemAvailable); the rest stays in pageable "
+                "memory (synchronous host->device copies)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            cap = want = room
         if self.mover.pin and self.platform.locks_host_memory and limit is not None and want > limit:
             warnings.warn(
                 f"pinning up to {want} bytes of host copies, above this process's locked-memory "
@@ -282,6 +299,7 @@ class OffloadBackendBase:
                 RuntimeWarning,
                 stacklevel=4,
             )
+        return cap
 
     def _placement_breaches(self) -> list[str]:
         """Per tensor of every component: managed, and on the side its slot and its
@@ -409,12 +427,16 @@ class OffloadBackendBase:
         (appending each installed handle to the list it gets); on any exception remove
         those handles and roll every move back."""
         table.check_tensors(named)
-        self._check_host_memory(named, selected)
+        pin_cap = self._check_host_memory(named, selected)
         weights = table.components
         txn = Transaction()
         handles: list[Any] = []
         try:
-            table.adopt(named, txn, pack=True)
+            self.mover.max_pinned_bytes = pin_cap
+            try:
+                table.adopt(named, txn, pack=True)
+            finally:
+                self.mover.max_pinned_bytes = self.max_pinned_bytes
             for w in weights.values():
                 w._register_modules()
             self._establish(weights, txn)

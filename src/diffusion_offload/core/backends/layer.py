@@ -336,13 +336,6 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             if any(b in kept for b in seq)
         }
 
-    @property
-    def wasted_prefetches(self) -> int:
-        """Prefetched blocks released without having run (a wrong guess, or a block a
-        cache skipped: at most one per cached forward); their bytes:
-        ``streamer.wasted_bytes``."""
-        return self.streamer.wasted_prefetches if self.streamer is not None else 0
-
     def disable(self) -> None:
         """Remove every hook; tensors stay where they are (see ``OffloadBackendBase``).
 
@@ -416,7 +409,14 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             if self._streams(comp):
                 blocks = discover_blocks(comp.module, self.layer_blocks.get(comp.name), component=comp.name)
                 if comp.role == "dit":
-                    blocks = blocks[self.resident_layers("dit"):]
+                    keep = self.resident_layers("dit")
+                    if keep > len(blocks):
+                        raise ValueError(
+                            f"layer_options['dit'].resident_layers={keep} is larger than "
+                            f"{comp.name!r}'s {len(blocks)} blocks; allowed: 0..{len(blocks)} "
+                            f"({len(blocks)} keeps every block resident)"
+                        )
+                    blocks = blocks[keep:]
                 found[comp.name] = blocks
         check_disjoint(found)
         table = WeightTable(self.mover)

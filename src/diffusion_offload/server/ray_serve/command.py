@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,8 @@ from ray import serve
 
 from ..app import bind_socket, fail
 from ..state import ServerSettings
-from .deployment import DEVICE_RESOURCE, build_application, deploy, undeploy
+from .deployment import DEVICE_RESOURCE, QUIET_SERVE_LOGS, build_application, deploy, undeploy
+from .index import CALL_TIMEOUT_S
 
 __all__ = ["serve_ray"]
 
@@ -91,6 +93,7 @@ def serve_ray(args: argparse.Namespace) -> int:
     wanted = autoscale[1] if autoscale else (args.replicas or 1)
     init: dict[str, Any] = {"address": args.ray_address or "local", "include_dashboard": False,
                             "logging_level": logging.WARNING}
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # no INFO line per app event
     if local and not str(args.device or "").lower().startswith("cuda"):
         init["resources"] = {DEVICE_RESOURCE: wanted}
     try:
@@ -114,7 +117,7 @@ def serve_ray(args: argparse.Namespace) -> int:
                     "(one per device), or use GPUs with --device cuda")
             return fail(f"{flag}: the Ray cluster has {have:g} {what}, fewer than the {need} "
                          f"generator replicas asked for{hint}")
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config=QUIET_SERVE_LOGS)
         engine_options = {"device": "cuda" if use_gpus else args.device, "dtype": args.dtype,
                           "variant": getattr(args, "variant", None),
                           "max_pinned_bytes": getattr(args, "max_pinned_memory", None)}
@@ -131,31 +134,46 @@ def serve_ray(args: argparse.Namespace) -> int:
             engine_options=engine_options, replicas=args.replicas or 1, autoscale=autoscale,
             ingress_replicas=args.ingress_replicas or 1, use_gpus=use_gpus,
         )
-        stop = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        # a list, not a threading.Event: the handler runs on the main thread, which may be
+        # inside Event.wait holding its lock (Event.set there would deadlock)
+        signals: list[int] = []
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            signals.append(signum)
+            if len(signals) > 1:
+                raise KeyboardInterrupt  # a second one: stop waiting for running jobs
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
-                deploy(application, settings, app_name=app_name, workers=wanted)
+                index = deploy(application, settings, app_name=app_name, workers=wanted)
             except RuntimeError as exc:
                 undeploy(app_name, grace=0)
                 message = " ".join(str(exc).split())
                 return fail(f"the application failed to deploy: {message[:2000]}")
+            picked = (ray.get(index.model.remote(), timeout=CALL_TIMEOUT_S) or {}).get("plan")
+            if picked:  # the line plain serve logs for "auto"
+                print(picked, file=sys.stderr, flush=True)
             count = f"{autoscale[0]}-{autoscale[1]} (autoscaled)" if autoscale else str(args.replicas)
             print(f"diffusion-offload: serving {args.model} at http://{args.host}:{args.port} on Ray "
                   f"Serve: {count} generator replica(s), {args.ingress_replicas or 1} ingress "
                   "replica(s); Ctrl-C to stop", file=sys.stderr, flush=True)
-            while not stop.wait(1.0):
-                pass
-            print(f"diffusion-offload: stopping (running jobs get up to {settings.shutdown_grace:g} s)",
-                  file=sys.stderr, flush=True)
-            clean = _bounded(lambda: undeploy(app_name, grace=settings.shutdown_grace),
-                             settings.shutdown_grace + 15.0, "undeploy")
+            try:
+                while not signals:
+                    time.sleep(0.2)
+                print(f"diffusion-offload: stopping (running jobs get up to {settings.shutdown_grace:g} s; "
+                      "Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+                _bounded(lambda: undeploy(app_name, grace=settings.shutdown_grace),
+                         settings.shutdown_grace + 15.0, "undeploy")
+            except KeyboardInterrupt:
+                print("diffusion-offload: stopping now (running jobs are cut off)", file=sys.stderr, flush=True)
+                if not local:  # a cluster that outlives us: take the application down
+                    _bounded(lambda: undeploy(app_name, grace=0), 15.0, "undeploy")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        if local and clean:
-            clean = _bounded(serve.shutdown, 15.0, "serve-shutdown")
+        # a local cluster goes with ray.shutdown below, Serve's controller included (its
+        # serve.shutdown would race the kill: "graceful_shutdown failed" on a clean exit)
         return 0
     finally:
         if not _bounded(ray.shutdown, 15.0, "ray-shutdown"):

@@ -21,13 +21,16 @@ from .generator import DiffusionGenerator
 from .index import CALL_TIMEOUT_S, GENERATOR, NAMESPACE, JobIndex, index_name
 from .ingress import DiffusionIngress
 
-__all__ = ["DEVICE_RESOURCE", "INGRESS", "build_application", "deploy", "undeploy"]
+__all__ = ["DEVICE_RESOURCE", "INGRESS", "QUIET_SERVE_LOGS", "build_application", "deploy", "undeploy"]
 
 logger = logging.getLogger("diffusion_offload.server")
 
 DEVICE_RESOURCE = "diffusion_offload_device"
 """Custom Ray resource a generator replica takes (1) when it does not take a GPU."""
 INGRESS = "DiffusionIngress"
+QUIET_SERVE_LOGS: dict[str, Any] = {"log_level": "WARNING", "enable_access_log": False}
+"""Ray Serve's ``logging_config`` for our deployments and its proxy and controller: no
+INFO line per request (its access log) or per replica event; warnings and errors stay."""
 
 
 def build_application(
@@ -76,6 +79,7 @@ def build_application(
         "max_ongoing_requests": 1,
         "ray_actor_options": actor_options,
         "graceful_shutdown_timeout_s": settings.shutdown_grace + 5.0,
+        "logging_config": QUIET_SERVE_LOGS,
     }
     if autoscale is not None:
         generator_options["autoscaling_config"] = {
@@ -95,6 +99,7 @@ def build_application(
         num_replicas=ingress_replicas,
         max_ongoing_requests=max(100, 4 * settings.max_queue),
         ray_actor_options={"num_cpus": 0},
+        logging_config=QUIET_SERVE_LOGS,
     )
     return ingress.bind(settings, index_name(app_name), generator)
 

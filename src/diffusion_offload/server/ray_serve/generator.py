@@ -60,6 +60,7 @@ class DiffusionGenerator:
             "is_video": bool(engine.is_video),
             "rules": self.state.rules,
             "limits": self.state.limits,
+            "plan": getattr(engine, "plan_message", None),  # auto's pick, printed by the driver
         }
         await self._beat()
         self._heartbeats = asyncio.get_running_loop().create_task(self._heartbeat_loop())

@@ -105,6 +105,7 @@ class JobIndex:
     """
 
     def __init__(self, settings: ServerSettings, app_name: str, workers: int) -> None:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its handle's INFO lines
         self.settings = settings
         self.app_name = app_name
         self.metrics = ServerMetrics(
@@ -287,7 +288,8 @@ class JobIndex:
             del self._replicas[label]
 
     def model(self) -> dict | None:
-        """``{"is_video", "rules", "limits"}`` from the first generator, or None yet."""
+        """``{"is_video", "rules", "limits", "plan"}`` from the first generator, or None
+        yet (``plan``: the line ``diffusion_offload_config="auto"`` logged for its pick)."""
         return self._model
 
     def _alive(self) -> list[tuple[str, dict[str, Any]]]:
