@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 #: the core's modules, bottom to top: each imports only modules before it (core/__init__.py)
 CORE_ORDER: tuple[str, ...] = (
-    "config", "platform", "hostmem", "writes", "arena", "transfer", "checks", "residency",
+    "config", "platform", "hostmem", "writes", "arena", "transfer", "tiers", "checks", "residency",
     "policy", "discovery",
     "blocks", "hooks", "streamer", "backends",
 )
