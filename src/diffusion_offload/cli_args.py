@@ -362,6 +362,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is prefetched when it fits), layer mode keeps streamed blocks beyond "
                         "the trunks (default: module mode's strict rule, only the running "
                         "group on the device; layer mode's trunks and two blocks)")
+    p.add_argument("--host-memory-budget", metavar="SIZE|auto", type=_budget_type,
+                   help="host memory the offload's host copies may take (pinned, then "
+                        "pageable, and the staging ring), e.g. 24GiB, or auto: min(MemAvailable, "
+                        "cgroup limit - usage) minus a reserve of min(10%%, 2 GiB); weights that do "
+                        "not fit stay on disk, memory-mapped from their safetensors files and read "
+                        "at every load (default: no budget, every host copy in RAM)")
     p.add_argument("--lora", metavar="PATH[:SCALE]", type=_lora_type, action="append",
                    help="a LoRA (.safetensors file, folder or hub id) loaded with diffusers' "
                         "load_lora_weights after offload is enabled, at SCALE (default 1); "

@@ -131,22 +131,25 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)  # type: ignore[arg-type]
 
 
-HOST_CHUNK_WORDS = 1 << 18
-"""On the host, grid sums widen at most this many words to ``int64`` at a time (2 MiB):
-a CPU ``sum(dtype=int64)`` widens its whole input first, which for a host copy left on
-disk (``tiers``) would be a full-size anonymous temporary."""
+HOST_CHUNK_WORDS = 1 << 16
+"""Where reductions run on CPU kernels, grid sums widen at most this many words to
+``int64`` at a time (512 KiB): a CPU ``sum(dtype=int64)`` widens its whole input first, a
+full-size anonymous temporary (for a host copy left on disk, ``tiers``, more than the
+budget allows)."""
+
+_WIDENING_IN_KERNEL = ("cuda", "xpu", "npu", "mps")  # accumulate in int64 without a copy
 
 
 def _grid_sums(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column sums (``int64``, modulo 2**64) of a ``rows x cols`` integer grid;
-    on the host in chunks of rows (``HOST_CHUNK_WORDS``): equal values, since wrapping
-    addition is associative."""
-    if grid.device.type != "cpu" or grid.numel() <= HOST_CHUNK_WORDS:
+    on CPU kernels (the host, the fake accelerator) in chunks of rows
+    (``HOST_CHUNK_WORDS``): equal values, since wrapping addition is associative."""
+    if grid.device.type in _WIDENING_IN_KERNEL or grid.numel() <= HOST_CHUNK_WORDS:
         return grid.sum(dim=1, dtype=torch.int64), grid.sum(dim=0, dtype=torch.int64)
     rows, cols = grid.shape
     step = max(1, HOST_CHUNK_WORDS // cols)
-    row_sums = torch.empty(rows, dtype=torch.int64)
-    col_sums = torch.zeros(cols, dtype=torch.int64)
+    row_sums = torch.empty(rows, dtype=torch.int64, device=grid.device)
+    col_sums = torch.zeros(cols, dtype=torch.int64, device=grid.device)
     for r in range(0, rows, step):
         part = grid[r : r + step].to(torch.int64)
         torch.sum(part, dim=1, out=row_sums[r : r + step])
