@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ __all__ = [
     "DiskTier",
     "FileMaps",
     "HostBudgetError",
+    "ReadAhead",
     "StagingRing",
     "TierPlan",
     "auto_host_budget",
@@ -303,12 +305,12 @@ class TierPlan:
 
 
 def _staging_bytes(budget: int, largest: int) -> int:
-    chunk = max(min(STAGING_CHUNK, budget // (4 * STAGING_COUNT), largest), 4096)
+    chunk = max(min(STAGING_CHUNK, budget // (2 * STAGING_COUNT), largest), 4096)  # half at most
     return STAGING_COUNT * chunk
 
 
 def plan_tiers(
-    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None
+    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0
 ) -> TierPlan:
     """Choose the tier of every host copy the offload will hold.
 
@@ -321,6 +323,10 @@ def plan_tiers(
             components' evictable weights.
         budget: the host-memory budget in bytes.
         maps: the process's file maps (None: read now).
+        unit_bytes: the bytes of the largest unit loaded at once (a streamed block, a
+            component): a staging-ring buffer holds one when the budget allows (at most
+            ``STAGING_CHUNK`` and a quarter of the budget: the ring takes at most half),
+            so the reader can read the next one ahead.
 
     Raises:
         HostBudgetError: the tensors that cannot be file-backed, with the staging ring,
@@ -338,7 +344,7 @@ def plan_tiers(
     file_bytes = sum(n for _, n in backed)
     if ram_only + file_bytes <= budget:
         return TierPlan(budget, ram_only, file_bytes, 0, 0)
-    staging = _staging_bytes(budget, max((n for _, n in backed), default=0))
+    staging = _staging_bytes(budget, max(max((n for _, n in backed), default=0), unit_bytes))
     if ram_only + staging > budget:
         raise HostBudgetError(
             f"host_memory_budget={budget} bytes cannot hold the {ram_only} bytes of host "
@@ -430,13 +436,18 @@ class DiskTier:
         platform: the device's platform.
         stats: the mover's ``TransferStats``.
         pin: pin the staging ring.
+        read_ahead: run a ``ReadAhead`` reader thread.
 
     Attributes:
-        read_delay: seconds slept per byte read from disk-backed host copies: a test knob
-            that simulates a slow disk (0: none).
+        read_delay: seconds slept per byte read from a disk-backed host copy the reader
+            has not read ahead: a test knob that simulates a slow disk (0: none). The
+            reader sleeps it when it reads ahead; a load of a slot read ahead does not.
+        reader: the ``ReadAhead`` thread, or None.
     """
 
-    def __init__(self, plan: TierPlan, platform: Platform, stats: Any, pin: bool) -> None:
+    def __init__(
+        self, plan: TierPlan, platform: Platform, stats: Any, pin: bool, read_ahead: bool = True
+    ) -> None:
         self.plan = plan
         self.platform = platform
         self.stats = stats
@@ -445,6 +456,7 @@ class DiskTier:
         self._slots: dict[int, tuple[Any, int]] = {}  # id(slot) -> (slot, host data_ptr)
         self._written: set[int] = set()
         stats.staging_bytes = self.ring.nbytes
+        self.reader: ReadAhead | None = ReadAhead(self, plan.staging_bytes) if read_ahead else None
 
     def wants(self, objs: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``objs`` stays on disk (its host copy must stay the file map)."""
@@ -466,14 +478,26 @@ class DiskTier:
 
     def _read(self, part: torch.Tensor, nbytes: int) -> None:
         self.stats.disk_read_bytes += nbytes
-        if self.read_delay:
-            time.sleep(self.read_delay * nbytes)
 
-    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A device copy of the disk-backed ``host`` span (``uint8``), through the ring."""
-        dst = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        self.ring.copy(host, dst, self._read)
+    def to_device(self, slot: Any, device: torch.device) -> torch.Tensor:
+        """A device copy of the disk-backed ``slot``'s host span (``uint8``), through the
+        ring; the reader is then asked to read what followed it last time."""
+        reader = self.reader
+        if reader is not None:
+            reader.take(slot)
+        elif self.read_delay:
+            time.sleep(self.read_delay * slot.nbytes)
+        dst = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
+        self.ring.copy(slot.host, dst, self._read)
+        if reader is not None:
+            reader.after(slot)
         return dst
+
+    def close(self) -> None:
+        """Stop the reader thread (``disable``)."""
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
     def note_write(self, slot: Any) -> None:
         """``slot``'s host copy is about to be written (a write-back, a host replacement):
@@ -499,3 +523,92 @@ class DiskTier:
             )
         self._written.add(id(slot))
         self.stats.cow_bytes += slot.nbytes
+
+
+class ReadAhead:
+    """A reader thread that reads disk-backed host copies ahead of their loads, so disk
+    time overlaps compute.
+
+    It learns the order of loads (which slot was loaded after which, last time: the next
+    blocks in layer mode, the next component's slots in module mode) and, after each
+    load, reads the slots that followed it, at most ``limit`` bytes ahead (the staging
+    ring's size): their pages come into the page cache (one byte a page is read, so the
+    kernel reads each page from the file), and the ``DiskTier.read_delay`` knob is slept
+    there instead of in the load. A load of a slot being read waits for it.
+
+    Args:
+        tier: the disk tier.
+        limit: bytes read ahead of the slot last loaded, at most.
+    """
+
+    def __init__(self, tier: DiskTier, limit: int) -> None:
+        self.tier = tier
+        self.limit = max(limit, 1)
+        self._next: dict[int, Any] = {}  # id(slot) -> the slot loaded after it last time
+        self._last: Any = None
+        self._queue: list[Any] = []
+        self._busy: Any = None
+        self._ready: set[int] = set()  # read ahead, not loaded since
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="diffusion-offload-reader", daemon=True)
+        self._thread.start()
+
+    def take(self, slot: Any) -> None:
+        """Before ``slot``'s load: wait if it is being read; sleep the knob if it was not
+        read ahead. Learns that ``slot`` followed the previous load."""
+        key = id(slot)
+        with self._cond:
+            if self._last is not None and self._last is not slot:
+                self._next[id(self._last)] = slot
+            self._last = slot
+            if any(s is slot for s in self._queue):
+                self._queue = [s for s in self._queue if s is not slot]
+            while self._busy is slot:
+                self._cond.wait()
+            warm = key in self._ready
+            self._ready.discard(key)
+        if not warm and self.tier.read_delay:
+            time.sleep(self.tier.read_delay * slot.nbytes)
+
+    def after(self, slot: Any) -> None:
+        """After ``slot``'s load: queue what followed it last time, up to ``limit`` bytes."""
+        ahead: list[Any] = []
+        total = 0
+        seen = {id(slot)}
+        nxt = self._next.get(id(slot))
+        while nxt is not None and id(nxt) not in seen and total + nxt.nbytes <= self.limit:
+            seen.add(id(nxt))
+            ahead.append(nxt)
+            total += nxt.nbytes
+            nxt = self._next.get(id(nxt))
+        with self._cond:
+            self._queue = [
+                s for s in ahead if id(s) not in self._ready and s is not self._busy
+            ]
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                slot = self._busy = self._queue.pop(0)
+            host = slot.host
+            if host is not None and host.numel():
+                host[::4096].sum()  # one byte a page: the kernel reads every page
+            if self.tier.read_delay:
+                time.sleep(self.tier.read_delay * slot.nbytes)
+            with self._cond:
+                self._ready.add(id(slot))
+                self._busy = None
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the slot it is reading)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()

@@ -642,7 +642,7 @@ class Mover:
             self._take_host_writes(slot)
             whole = self._whole_view(slot)
             if self.disk is not None and self.disk.holds(slot):  # through the staging ring
-                dev = self.disk.to_device(slot.host, self.device)
+                dev = self.disk.to_device(slot, self.device)
                 for m in slot.members:
                     txn.rebind(m.obj, slot.view(dev, m))
                 del dev

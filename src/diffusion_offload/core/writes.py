@@ -131,9 +131,9 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)  # type: ignore[arg-type]
 
 
-HOST_CHUNK_WORDS = 1 << 16
+HOST_CHUNK_WORDS = 1 << 18
 """Where reductions run on CPU kernels, grid sums widen at most this many words to
-``int64`` at a time (512 KiB): a CPU ``sum(dtype=int64)`` widens its whole input first, a
+``int64`` at a time (2 MiB): a CPU ``sum(dtype=int64)`` widens its whole input first, a
 full-size anonymous temporary (for a host copy left on disk, ``tiers``, more than the
 budget allows)."""
 

@@ -225,6 +225,8 @@ class OffloadBackendBase:
                     handle.reinstall()
                 raise
             self._handles = []
+            if self.mover.disk is not None:
+                self.mover.disk.close()
             self.components = {}
             self._table = None
             self._pipeline_ref = None
@@ -336,7 +338,12 @@ class OffloadBackendBase:
                 for t in payloads.values() if maps.backing(payload_of(t)) is None
             )
             budget = tiers.auto_host_budget(held)
-        plan = tiers.plan_tiers(payloads.values(), budget, maps)
+        unit = max((
+            sum(payload_of(t).numel() * payload_of(t).element_size() for _, t in tensors
+                if maps.backing(payload_of(t)) is not None)
+            for name, tensors in named.items() if selected[name]
+        ), default=0)
+        plan = tiers.plan_tiers(payloads.values(), budget, maps, unit)
         self.tier_plan = plan
         logger.info(plan.line())
         if not plan.disk_bytes:
@@ -479,6 +486,8 @@ class OffloadBackendBase:
             for handle in reversed(handles):
                 handle.remove()
             txn.rollback()
+            if disk is not None:
+                disk.close()
             self.mover.disk = None
             self.mover.stats.staging_bytes = 0
             raise
