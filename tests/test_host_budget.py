@@ -456,3 +456,27 @@ def test_the_reader_overlaps_disk_reads_with_compute(deep_wan, fake_device):
     assert torch.equal(with_reader[1], want) and torch.equal(without[1], want)
     assert with_reader[2] == without[2] == backend.stats.disk_backed_bytes
     assert with_reader[0] <= 0.6 * without[0], (with_reader[0], without[0])
+
+
+# ----------------------------------------------------------------------------- the flag
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_host_budget_flag_takes_a_unit_or_auto(command, capsys):
+    from diffusion_offload.cli_args import build_parser
+
+    parser = build_parser()
+    head = [command] if command == "generate" else [command, "MODEL", "--omni"]
+    assert parser.parse_args([*head, "--host-memory-budget", "24GiB"]).host_memory_budget == 24 * GiB
+    assert parser.parse_args([*head, "--host-memory-budget", "auto"]).host_memory_budget == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*head, "--host-memory-budget", "24"])
+    assert "'24' has no unit; give a unit, e.g. 24GiB" in capsys.readouterr().err
+
+
+def test_the_host_budget_flag_needs_an_offload_config():
+    from diffusion_offload.cli_args import CliError, build_parser, parse_config_args
+
+    args = build_parser().parse_args(["generate", "--host-memory-budget", "1GiB"])
+    with pytest.raises(CliError, match=re.escape("--host-memory-budget 1.00GiB needs an offload config")):
+        parse_config_args(args)

@@ -118,7 +118,7 @@ _bytes_type.__name__ = "size"
 
 
 def _budget_type(text: str) -> int | str:
-    """``--device-memory-budget``: ``auto`` or a size."""
+    """``--device-memory-budget``, ``--host-memory-budget``: ``auto`` or a size."""
     if text.strip().lower() == "auto":
         return "auto"
     try:
@@ -276,7 +276,8 @@ def parse_config_args(args: argparse.Namespace):
 
     Raises:
         CliError: the config is not valid (the message names the flag and the field), or
-            ``--device-memory-budget`` is given without an offload config.
+            ``--device-memory-budget`` or ``--host-memory-budget`` is given without an
+            offload config.
     """
     from .core.config import parse_diffusion_offload_config
 
@@ -299,6 +300,13 @@ def parse_config_args(args: argparse.Namespace):
                 "one everything stays on the device); add --diffusion-offload-config "
                 "'{\"mode\":\"module\",\"components\":[\"dit\",\"text_encoder\"]}' (or auto), or drop it"
             )
+    host = getattr(args, "host_memory_budget", None)
+    if host is not None and config is None:
+        shown = host if host == "auto" else human_bytes(host).replace(" ", "")
+        raise CliError(
+            f"--host-memory-budget {shown} needs an offload config (without one no host "
+            "copies are made); add --diffusion-offload-config (or auto), or drop it"
+        )
     return config
 
 
