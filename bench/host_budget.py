@@ -59,6 +59,7 @@ def _measure(directory: Path, mode: str | None, budget: int | None) -> dict[str,
     }
     engine.close()
     del engine
+    gc.collect()  # the engine's cycles: its device and host memory freed before the next run
     return row
 
 

@@ -304,8 +304,11 @@ class TierPlan:
         )
 
 
-def _staging_bytes(budget: int, largest: int) -> int:
-    chunk = max(min(STAGING_CHUNK, budget // (2 * STAGING_COUNT), largest), 4096)  # half at most
+def _staging_bytes(budget: int, largest: int, spill: int) -> int:
+    # a buffer: one unit (block, component) or tensor, at most STAGING_CHUNK, a quarter of
+    # the budget (the ring is at most half of it) and the bytes that must leave RAM (a
+    # large ring would push more weights to disk than it serves)
+    chunk = max(min(STAGING_CHUNK, budget // (2 * STAGING_COUNT), largest, spill), 4096)
     return STAGING_COUNT * chunk
 
 
@@ -325,7 +328,7 @@ def plan_tiers(
         maps: the process's file maps (None: read now).
         unit_bytes: the bytes of the largest unit loaded at once (a streamed block, a
             component): a staging-ring buffer holds one when the budget allows (at most
-            ``STAGING_CHUNK`` and a quarter of the budget: the ring takes at most half),
+            ``STAGING_CHUNK``, a quarter of the budget and the bytes that do not fit it),
             so the reader can read the next one ahead.
 
     Raises:
@@ -344,7 +347,8 @@ def plan_tiers(
     file_bytes = sum(n for _, n in backed)
     if ram_only + file_bytes <= budget:
         return TierPlan(budget, ram_only, file_bytes, 0, 0)
-    staging = _staging_bytes(budget, max(max((n for _, n in backed), default=0), unit_bytes))
+    largest = max(max((n for _, n in backed), default=0), unit_bytes)
+    staging = _staging_bytes(budget, largest, ram_only + file_bytes - budget)
     if ram_only + staging > budget:
         raise HostBudgetError(
             f"host_memory_budget={budget} bytes cannot hold the {ram_only} bytes of host "
