@@ -69,6 +69,10 @@ class OffloadBackendBase:
     """
 
     MODE = ""
+    #: size a staging-ring buffer to the largest selected component's disk-backed bytes
+    #: (layer mode: a streamed block, so the reader reads the next one ahead); otherwise to
+    #: the largest tensor (module mode: a whole component would take the budget)
+    STAGE_BY_UNIT = False
 
     def __init__(
         self,
@@ -338,7 +342,7 @@ class OffloadBackendBase:
                 for t in payloads.values() if maps.backing(payload_of(t)) is None
             )
             budget = tiers.auto_host_budget(held)
-        unit = max((
+        unit = 0 if not self.STAGE_BY_UNIT else max((
             sum(payload_of(t).numel() * payload_of(t).element_size() for _, t in tensors
                 if maps.backing(payload_of(t)) is not None)
             for name, tensors in named.items() if selected[name]

@@ -253,6 +253,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
     """
 
     MODE = "layer"
+    STAGE_BY_UNIT = True
 
     def __init__(
         self,
