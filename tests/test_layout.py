@@ -41,8 +41,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 #: the core's modules, bottom to top: each imports only modules before it (core/__init__.py)
 CORE_ORDER: tuple[str, ...] = (
-    "config", "platform", "hostmem", "writes", "quantized", "arena", "transfer", "checks", "residency",
-    "policy", "discovery", "foreign",
+    "config", "platform", "hostmem", "writes", "quantized", "arena", "transfer", "tiers", "checks",
+    "residency", "policy", "discovery", "foreign",
     "blocks", "hooks", "streamer", "backends",
 )
 

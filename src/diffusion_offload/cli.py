@@ -59,6 +59,7 @@ _REQUEST_ARGS = {
     "dtype": ("dtype", "--dtype"),
     "max_pinned_bytes": ("max_pinned_memory", "--max-pinned-memory"),
     "device_memory_budget": ("device_memory_budget", "--device-memory-budget"),
+    "host_memory_budget": ("host_memory_budget", "--host-memory-budget"),
     "guidance_scale": ("guidance_scale", "--guidance-scale"),
     "loras": ("lora", "--lora"),
 }
@@ -187,6 +188,12 @@ def _summary(output: Any, report: dict[str, Any]) -> None:
     table.add_row("host->device weights", human_bytes(int(stats.get("h2d_bytes", 0))))
     table.add_row("device->host weights", human_bytes(int(stats.get("d2h_bytes", 0))))
     table.add_row("loads / evictions", f"{int(stats.get('loads', 0))} / {int(stats.get('evictions', 0))}")
+    table.add_row(
+        "host copies pinned / pageable / disk",
+        " / ".join(human_bytes(int(stats.get(k, 0)))
+                   for k in ("pinned_bytes", "pageable_host_bytes", "disk_backed_bytes")),
+    )
+    table.add_row("disk reads", human_bytes(int(stats.get("disk_read_bytes", 0))))
     table.add_row("output", str(report["output"]))
     Console(stderr=True).print(table)
 
@@ -262,6 +269,8 @@ def _generate(args: argparse.Namespace) -> int:
         extra: dict[str, Any] = {"plan_shape": values}  # auto's and the fit advice's request
         if args.device_memory_budget is not None:
             extra["device_memory_budget"] = args.device_memory_budget
+        if getattr(args, "host_memory_budget", None) is not None:
+            extra["host_memory_budget"] = args.host_memory_budget
         engine = build_omni(
             model_dir, config, variant=args.variant, max_pinned_bytes=args.max_pinned_memory,
             device=device, dtype=args.dtype, trace=trace_path is not None,
@@ -317,6 +326,8 @@ def _generate(args: argparse.Namespace) -> int:
                 "max_pinned_bytes": args.max_pinned_memory,
                 # auto's pick included, so --from-report replays what ran
                 "device_memory_budget": getattr(engine, "device_memory_budget", None),
+                # "auto" as measured, so --from-report replays what ran
+                "host_memory_budget": getattr(engine, "host_memory_budget", None),
                 "guidance_scale": args.guidance_scale,
                 "loras": [list(lora) for lora in args.lora or ()] or None,
                 "output": str(out_path),

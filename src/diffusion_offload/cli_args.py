@@ -118,7 +118,7 @@ _bytes_type.__name__ = "size"
 
 
 def _budget_type(text: str) -> int | str:
-    """``--device-memory-budget``: ``auto`` or a size."""
+    """``--device-memory-budget``, ``--host-memory-budget``: ``auto`` or a size."""
     if text.strip().lower() == "auto":
         return "auto"
     try:
@@ -276,7 +276,8 @@ def parse_config_args(args: argparse.Namespace):
 
     Raises:
         CliError: the config is not valid (the message names the flag and the field), or
-            ``--device-memory-budget`` is given without an offload config.
+            ``--device-memory-budget`` or ``--host-memory-budget`` is given without an
+            offload config.
     """
     from .core.config import parse_diffusion_offload_config
 
@@ -299,6 +300,13 @@ def parse_config_args(args: argparse.Namespace):
                 "one everything stays on the device); add --diffusion-offload-config "
                 "'{\"mode\":\"module\",\"components\":[\"dit\",\"text_encoder\"]}' (or auto), or drop it"
             )
+    host = getattr(args, "host_memory_budget", None)
+    if host is not None and config is None:
+        shown = host if host == "auto" else human_bytes(host).replace(" ", "")
+        raise CliError(
+            f"--host-memory-budget {shown} needs an offload config (without one no host "
+            "copies are made); add --diffusion-offload-config (or auto), or drop it"
+        )
     return config
 
 
@@ -362,6 +370,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is prefetched when it fits), layer mode keeps streamed blocks beyond "
                         "the trunks (default: module mode's strict rule, only the running "
                         "group on the device; layer mode's trunks and two blocks)")
+    p.add_argument("--host-memory-budget", metavar="SIZE|auto", type=_budget_type,
+                   help="host memory the offload's host copies may take (pinned, then "
+                        "pageable, and the staging ring), e.g. 24GiB, or auto: min(MemAvailable, "
+                        "cgroup limit - usage) minus a reserve of min(10%%, 2 GiB); weights that do "
+                        "not fit stay on disk, memory-mapped from their safetensors files and read "
+                        "at every load (default: no budget, every host copy in RAM)")
     p.add_argument("--lora", metavar="PATH[:SCALE]", type=_lora_type, action="append",
                    help="a LoRA (.safetensors file, folder or hub id) loaded with diffusers' "
                         "load_lora_weights after offload is enabled, at SCALE (default 1); "

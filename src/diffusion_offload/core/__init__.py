@@ -10,6 +10,8 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``quantized``: the plain tensors that carry each weight (quantized formats), refusals.
 - ``arena``: host arenas: many host copies in one buffer, one H2D copy per arena.
 - ``transfer``: moving weights (``Mover``, ``Transaction``), ``TransferStats``.
+- ``tiers``: the host-memory budget and its tiers (pinned, pageable, disk): ``"auto"``,
+  file-backed weights, the staging ring.
 - ``checks``: device write checks (``LoadCheck``): what a load put on the device, what changed.
 - ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).
 - ``policy``: the device-memory budget (``MemoryPolicy``): what stays resident.

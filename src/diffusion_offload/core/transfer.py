@@ -98,6 +98,12 @@ class TransferStats:
         wasted_bytes: the H2D bytes of those blocks (part of ``h2d_bytes``).
         pinned_bytes: bytes of host copies in pinned (page-locked) memory now (a gauge).
         pageable_host_bytes: bytes of host copies in pageable memory now (a gauge).
+        disk_backed_bytes: bytes of host copies left on disk: file-backed memory maps read
+            at every load (``tiers``; a gauge).
+        disk_read_bytes: bytes read from disk-backed host copies (the loads' reads).
+        cow_bytes: bytes of disk-backed host copies written (private copy-on-write pages:
+            anonymous memory, counted against the host budget; a gauge).
+        staging_bytes: bytes of the pinned staging ring of disk-backed loads (a gauge).
     """
 
     h2d_bytes: int = 0
@@ -116,8 +122,12 @@ class TransferStats:
     wasted_bytes: int = 0
     pinned_bytes: int = 0
     pageable_host_bytes: int = 0
+    disk_backed_bytes: int = 0
+    disk_read_bytes: int = 0
+    cow_bytes: int = 0
+    staging_bytes: int = 0
 
-    _GAUGES = ("pinned_bytes", "pageable_host_bytes")
+    _GAUGES = ("pinned_bytes", "pageable_host_bytes", "disk_backed_bytes", "cow_bytes", "staging_bytes")
 
     def snapshot(self) -> "TransferStats":
         """A copy of the current values."""
@@ -419,6 +429,8 @@ class Mover:
         self.max_pinned_bytes = max_pinned_bytes
         self.stats = TransferStats()
         self._pin_warned = False
+        # the disk tier (``tiers.DiskTier``) when a host budget leaves weights on disk
+        self.disk: Any = None
 
     # -- host copies ------------------------------------------------------------------
 
@@ -441,7 +453,9 @@ class Mover:
     def _account(self, slot: TensorSlot, sign: int) -> None:
         if slot.host is None:
             return
-        if slot.pinned:
+        if self.disk is not None and self.disk.holds(slot):
+            self.stats.disk_backed_bytes += sign * slot.nbytes
+        elif slot.pinned:
             self.stats.pinned_bytes += sign * slot.nbytes
         else:
             self.stats.pageable_host_bytes += sign * slot.nbytes
@@ -487,8 +501,14 @@ class Mover:
             if outers:
                 for m in slot.members:
                     m.outers = outers.get(id(m.obj), ())
+        if self.disk is not None:  # disk-backed host copies stay the file maps (tiers)
+            for slot in slots:
+                if evictable and not slot.pinned:
+                    self._account(slot, -1)
+                    self.disk.claim(slot)
+                    self._account(slot, +1)
         if pack:
-            self.pack(slots, txn)
+            self.pack([s for s in slots if self.disk is None or not self.disk.holds(s)], txn)
         return slots
 
     def pack(self, slots: list[TensorSlot], txn: Transaction) -> list[Arena]:
@@ -566,6 +586,8 @@ class Mover:
         never pinned. A failure falls back to pageable memory with one warning.
         """
         if not self._may_pin(span.numel()) or any(_is_dtensor(o) for o in objs):
+            return span, False
+        if self.disk is not None and self.disk.wants(objs):
             return span, False
         if span.is_pinned():
             return span, True
@@ -646,7 +668,12 @@ class Mover:
         with torch.inference_mode(False), torch.no_grad():
             self._take_host_writes(slot)
             whole = self._whole_view(slot)
-            if whole is not None:  # one tensor covering the span: copy it as itself
+            if self.disk is not None and self.disk.holds(slot):  # through the staging ring
+                dev = self.disk.to_device(slot, self.device)
+                for m in slot.members:
+                    txn.rebind(m.obj, slot.view(dev, m), m.outers)
+                del dev
+            elif whole is not None:  # one tensor covering the span: copy it as itself
                 m = slot.members[0]
                 txn.rebind(m.obj, whole.to(self.device, non_blocking=slot.pinned), m.outers)
             else:
@@ -695,6 +722,7 @@ class Mover:
             view = slot.view(slot.host, m)
             if p.data_ptr() == view.data_ptr() and p.stride() == view.stride():
                 continue
+            self._note_disk_write(slot)
             if p.dtype != m.dtype or tuple(p.shape) != m.shape:
                 if len(slot.members) > 1:
                     raise RuntimeError(
@@ -709,6 +737,11 @@ class Mover:
                 view.copy_(p)
             if slot.arena is not None:
                 slot.arena.host_sums = None
+
+    def _note_disk_write(self, slot: TensorSlot) -> None:
+        """A disk-backed host copy is about to be written (``tiers.DiskTier.note_write``)."""
+        if self.disk is not None and self.disk.holds(slot):
+            self.disk.note_write(slot)
 
     def _rehome(self, slot: TensorSlot, m: Member, host_value: torch.Tensor) -> None:
         """Make ``host_value`` (a host tensor) the only member's new host copy (pageable);
@@ -740,6 +773,9 @@ class Mover:
         if not members:
             return 0
         written = 0
+        for (slot, m), differs in zip(members, changed):
+            if differs:
+                self._note_disk_write(slot)  # before any write: refused, nothing changes
         with torch.inference_mode(False), torch.no_grad():
             for (slot, m), differs in zip(members, changed):
                 p = m.payload

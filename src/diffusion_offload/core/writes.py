@@ -131,6 +131,32 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)  # type: ignore[arg-type]
 
 
+HOST_CHUNK_WORDS = 1 << 18
+"""Where reductions run on CPU kernels, grid sums widen at most this many words to
+``int64`` at a time (2 MiB): a CPU ``sum(dtype=int64)`` widens its whole input first, a
+full-size anonymous temporary (for a host copy left on disk, ``tiers``, more than the
+budget allows)."""
+
+_WIDENING_IN_KERNEL = ("cuda", "xpu", "npu", "mps")  # accumulate in int64 without a copy
+
+
+def _grid_sums(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column sums (``int64``, modulo 2**64) of a ``rows x cols`` integer grid;
+    on CPU kernels (the host, the fake accelerator) in chunks of rows
+    (``HOST_CHUNK_WORDS``): equal values, since wrapping addition is associative."""
+    if grid.device.type in _WIDENING_IN_KERNEL or grid.numel() <= HOST_CHUNK_WORDS:
+        return grid.sum(dim=1, dtype=torch.int64), grid.sum(dim=0, dtype=torch.int64)
+    rows, cols = grid.shape
+    step = max(1, HOST_CHUNK_WORDS // cols)
+    row_sums = torch.empty(rows, dtype=torch.int64, device=grid.device)
+    col_sums = torch.zeros(cols, dtype=torch.int64, device=grid.device)
+    for r in range(0, rows, step):
+        part = grid[r : r + step].to(torch.int64)
+        torch.sum(part, dim=1, out=row_sums[r : r + step])
+        col_sums += part.sum(dim=0)
+    return row_sums, col_sums
+
+
 def _block_parts(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     """The integer vectors a block fingerprint weighs, odd-weighted ones first, and how
     many words those are.
@@ -150,9 +176,9 @@ def _block_parts(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         if n > SMALL_WORDS:
             k = math.isqrt(n)
             rows = n // k
-            grid = w[: rows * k].view(rows, k)
-            odd.append(grid.sum(dim=1, dtype=torch.int64))
-            even.append(grid.sum(dim=0, dtype=torch.int64))
+            row_sums, col_sums = _grid_sums(w[: rows * k].view(rows, k))
+            odd.append(row_sums)
+            even.append(col_sums)
             if n > rows * k:
                 odd.append(w[rows * k :].to(torch.int64))
         elif n:

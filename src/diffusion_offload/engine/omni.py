@@ -20,6 +20,7 @@ from ..core.config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from ..core.discovery import ROLES
 from ..core.platform import Platform, normalize_device, platform_for
 from ..core.transfer import TransferStats
+from ..core.tiers import auto_host_budget, check_budget
 from ..models.fit import Footprint, check_fit
 from ..models.caches import clear_method_caches
 from ..models.files import ModelInfo, inspect_model, resolve_model
@@ -209,6 +210,13 @@ class Omni:
         loras: ``(path or hub id, scale)`` pairs, loaded after offload is enabled with
             diffusers' ``load_lora_weights`` (adapters ``lora_0``, ``lora_1``, ...) and
             activated together with ``set_adapters`` at their scales; needs peft.
+        host_memory_budget: bytes of host memory the host copies may take, ``"auto"`` or
+            None (no budget). ``"auto"`` is measured before the weights are read
+            (``core.tiers.auto_host_budget``); ``omni.host_memory_budget`` is the budget
+            run, in bytes. The pipeline is loaded with diffusers' ``from_pretrained``,
+            whose safetensors weights stay file-backed (private memory maps) when loaded in
+            their stored dtype, so weights past the budget stay on disk. See
+            ``ModelLevelOffloadBackend``.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -243,6 +251,7 @@ class Omni:
         plan_shape: Mapping[str, int | None] | None = None,
         device_memory_budget: int | str | None = None,
         loras: Sequence[tuple[str, float]] = (),
+        host_memory_budget: int | str | None = None,
     ) -> None:
         start = time.perf_counter()
         self._lock = threading.RLock()
@@ -282,6 +291,10 @@ class Omni:
 
         from diffusers import DiffusionPipeline
 
+        host_memory_budget = check_budget(host_memory_budget)
+        if host_memory_budget == "auto" and self.config is not None and not self.platform.is_noop:
+            host_memory_budget = auto_host_budget()  # before the weights are read
+        self.host_memory_budget = host_memory_budget
         self.pipeline = DiffusionPipeline.from_pretrained(
             self.info.path, dtype=self.dtype, variant=variant
         )
@@ -296,6 +309,7 @@ class Omni:
                     component_roles=self.component_roles,
                     max_pinned_bytes=max_pinned_bytes,
                     device_memory_budget=device_memory_budget,
+                    host_memory_budget=host_memory_budget,
                 )
             else:
                 self.backend = ModelLevelOffloadBackend(
@@ -304,6 +318,7 @@ class Omni:
                     component_roles=self.component_roles,
                     max_pinned_bytes=max_pinned_bytes,
                     device_memory_budget=device_memory_budget,
+                    host_memory_budget=host_memory_budget,
                 )
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:

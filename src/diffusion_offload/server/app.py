@@ -206,6 +206,9 @@ def serve(args: argparse.Namespace) -> int:
     pinned = getattr(args, "max_pinned_memory", None)
     budget = getattr(args, "device_memory_budget", None)
     extra: dict[str, Any] = {} if budget is None else {"device_memory_budget": budget}
+    host_budget = getattr(args, "host_memory_budget", None)
+    if host_budget is not None:
+        extra["host_memory_budget"] = host_budget
     if getattr(args, "lora", None):
         extra["loras"] = [tuple(lora) for lora in args.lora]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .. import hostmem
+from .. import hostmem, tiers
 from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from ..discovery import Component, discover_components
 from ..foreign import check_foreign_hooks
@@ -54,6 +54,12 @@ class OffloadBackendBase:
         max_pinned_bytes: pin at most this many bytes of host copies; the rest stay in
             pageable memory (``stats.pinned_bytes`` / ``stats.pageable_host_bytes`` say
             which). None: no cap.
+        host_memory_budget: bytes of host memory the host copies may take (pinned and
+            pageable copies, the staging ring, written disk-backed pages), ``"auto"``
+            (``tiers.auto_host_budget``, measured at ``enable``) or None (no budget: every
+            host copy in RAM, as before). What does not fit stays on disk, file-backed
+            (``tiers``); ``stats`` gives ``pinned_bytes``, ``pageable_host_bytes``,
+            ``disk_backed_bytes`` and ``disk_read_bytes``; ``tier_plan`` the choice.
 
     A backend is a context manager: ``with ModelLevelOffloadBackend(...) as b:
     b.enable(pipe)`` disables on exit.
@@ -64,6 +70,10 @@ class OffloadBackendBase:
     """
 
     MODE = ""
+    #: size a staging-ring buffer to the largest selected component's disk-backed bytes
+    #: (layer mode: a streamed block, so the reader reads the next one ahead); otherwise to
+    #: the largest tensor (module mode: a whole component would take the budget)
+    STAGE_BY_UNIT = False
 
     def __init__(
         self,
@@ -73,6 +83,7 @@ class OffloadBackendBase:
         component_roles: Mapping[str, str] | None = None,
         use_hsdp: bool = False,
         max_pinned_bytes: int | None = None,
+        host_memory_budget: int | str | None = None,
     ) -> None:
         parsed = parse_diffusion_offload_config(config)
         if parsed is None:
@@ -97,6 +108,9 @@ class OffloadBackendBase:
         self.component_roles = dict(component_roles) if component_roles else None
         self.use_hsdp = use_hsdp
         self.max_pinned_bytes = max_pinned_bytes
+        self.host_memory_budget = tiers.check_budget(host_memory_budget)
+        #: the host tiers chosen at the last ``enable`` with a budget (``tiers.TierPlan``)
+        self.tier_plan: tiers.TierPlan | None = None
         self.mover = Mover(self.platform, parsed.pin_memory, max_pinned_bytes)
         self.components: dict[str, ComponentWeights] = {}
         self._table: WeightTable | None = None
@@ -152,7 +166,9 @@ class OffloadBackendBase:
                 ``_hf_hook`` or diffusers' group-offload hooks (named, with how to
                 remove them); nothing was changed.
             MemoryError: the host cannot hold the host copies (bytes needed and
-                available named); nothing was changed.
+                available named); nothing was changed. ``tiers.HostBudgetError`` (a
+                MemoryError): the weights that cannot be file-backed exceed
+                ``host_memory_budget`` (both named, in bytes); nothing was changed.
             TypeError: the pipeline's components cannot be discovered.
             torch.OutOfMemoryError: the device cannot hold what must be resident; every
                 hook and tensor was rolled back.
@@ -218,6 +234,8 @@ class OffloadBackendBase:
                     handle.reinstall()
                 raise
             self._handles = []
+            if self.mover.disk is not None:
+                self.mover.disk.close()
             self.components = {}
             self._table = None
             self._pipeline_ref = None
@@ -300,6 +318,46 @@ class OffloadBackendBase:
                 stacklevel=4,
             )
         return cap
+
+    def _plan_tiers(
+        self, named: dict[str, list[tuple[str, torch.Tensor]]], selected: dict[str, bool]
+    ) -> tiers.DiskTier | None:
+        """Choose the host tiers under ``host_memory_budget`` (``tiers.plan_tiers``), log
+        the one start line, and return the disk tier when weights stay on disk (None: no
+        budget, or everything fits in RAM, as without one).
+
+        Raises:
+            tiers.HostBudgetError: what cannot be file-backed exceeds the budget.
+        """
+        self.tier_plan = None
+        budget = self.host_memory_budget
+        if budget is None:
+            return None
+        payloads: dict[int, torch.Tensor] = {}
+        for name, tensors in named.items():
+            if selected[name]:
+                for _, t in tensors:
+                    p = payload_of(t)
+                    if p.device.type == "cpu":
+                        payloads.setdefault(id(t), t)
+        maps = tiers.FileMaps()
+        if budget == "auto":
+            held = sum(
+                payload_of(t).numel() * payload_of(t).element_size()
+                for t in payloads.values() if maps.backing(payload_of(t)) is None
+            )
+            budget = tiers.auto_host_budget(held)
+        unit = 0 if not self.STAGE_BY_UNIT else max((
+            sum(payload_of(t).numel() * payload_of(t).element_size() for _, t in tensors
+                if maps.backing(payload_of(t)) is not None)
+            for name, tensors in named.items() if selected[name]
+        ), default=0)
+        plan = tiers.plan_tiers(payloads.values(), budget, maps, unit)
+        self.tier_plan = plan
+        logger.info(plan.line())
+        if not plan.disk_bytes:
+            return None
+        return tiers.DiskTier(plan, self.platform, self.mover.stats, self.mover.pin)
 
     def _placement_breaches(self) -> list[str]:
         """Per tensor of every component: managed, and on the side its slot and its
@@ -428,9 +486,11 @@ class OffloadBackendBase:
         those handles and roll every move back."""
         table.check_tensors(named)
         pin_cap = self._check_host_memory(named, selected)
+        disk = self._plan_tiers(named, selected)
         weights = table.components
         txn = Transaction()
         handles: list[Any] = []
+        self.mover.disk = disk
         try:
             self.mover.max_pinned_bytes = pin_cap
             try:
@@ -445,6 +505,10 @@ class OffloadBackendBase:
             for handle in reversed(handles):
                 handle.remove()
             txn.rollback()
+            if disk is not None:
+                disk.close()
+            self.mover.disk = None
+            self.mover.stats.staging_bytes = 0
             raise
         txn.commit()
         self.components = weights

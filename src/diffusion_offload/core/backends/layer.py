@@ -229,7 +229,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             an 8-byte read-back, and so a host wait, for the call's carried first block).
             False: for pure inference, device->host traffic is exactly the pipeline's
             own, and a write to a streamed weight while it is on the device is lost.
-        component_roles, max_pinned_bytes: as ``ModelLevelOffloadBackend``.
+        component_roles, max_pinned_bytes, host_memory_budget: as ``ModelLevelOffloadBackend``.
         device_memory_budget: bytes of weights that may be on the device at once
             (``"auto"``: the free device memory at enable minus max(10 % of the
             device, 1 GiB); None: no budget, only the trunks and two blocks). The
@@ -253,6 +253,7 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
     """
 
     MODE = "layer"
+    STAGE_BY_UNIT = True
 
     def __init__(
         self,
@@ -265,9 +266,11 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         component_roles: Mapping[str, str] | None = None,
         max_pinned_bytes: int | None = None,
         device_memory_budget: int | str | None = None,
+        host_memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(
-            config, device, component_roles=component_roles, max_pinned_bytes=max_pinned_bytes
+            config, device, component_roles=component_roles, max_pinned_bytes=max_pinned_bytes,
+            host_memory_budget=host_memory_budget,
         )
         if device_memory_budget != "auto":  # the bytes of "auto" are measured at enable
             resolve_budget(device_memory_budget, self.platform)

@@ -51,6 +51,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         use_hsdp: bool = False,
         max_pinned_bytes: int | None = None,
         device_memory_budget: int | str | None = None,
+        host_memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -58,6 +59,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
             component_roles=component_roles,
             use_hsdp=use_hsdp,
             max_pinned_bytes=max_pinned_bytes,
+            host_memory_budget=host_memory_budget,
         )
         if device_memory_budget is not None:
             # validate now (the bytes of "auto" are measured at enable)

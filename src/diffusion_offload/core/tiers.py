@@ -1,0 +1,618 @@
+"""The host-memory budget and its tiers: pinned, pageable, disk (issue 20).
+
+A ``host_memory_budget`` bounds the host memory the offload engine's host copies take:
+the pinned and pageable host copies (arenas and copies of their own), the pinned staging
+ring, and the private copy-on-write pages of written disk-backed weights. Within it:
+
+* **pinned**: host copies in page-locked memory, up to ``max_pinned_bytes``;
+* **pageable**: the rest of the host copies that fit the budget;
+* **disk**: weights that do not fit stay file-backed: the loaded tensors are private
+  (copy-on-write) memory maps of their safetensors files (diffusers and safetensors
+  load them that way, ``torch.UntypedStorage.from_file(path, shared=False)``), so their
+  bytes live in the page cache, which the kernel reclaims, not in anonymous memory.
+  Each load copies them to the device through a bounded pinned ``StagingRing``.
+
+The choice (``plan_tiers``) is made once, at ``enable``: never disk when RAM suffices.
+Weights that are not file-backed (cast at load, fused with a LoRA, quantized, read from
+GGUF, built in memory) can only live in RAM; when they alone (with the staging ring)
+exceed the budget, ``enable`` fails with ``HostBudgetError``.
+
+``"auto"`` (``auto_host_budget``) is ``min(MemAvailable, cgroup limit - cgroup usage)``
+(cgroup v2 and v1; usage without inactive file pages, which the kernel reclaims) plus the
+host copies already held, minus ``reserve_bytes``: a tenth of that, at most ``AUTO_RESERVE``
+(2 GiB). Sources: ``/proc/meminfo`` (proc(5)); the kernel's cgroup v2 ``memory.max``,
+``memory.current``, ``memory.stat`` and cgroup v1 ``memory.limit_in_bytes``,
+``memory.usage_in_bytes``, ``memory.stat`` (Documentation/admin-guide/cgroup-v2.rst,
+cgroup-v1/memory.rst); ``/proc/self/maps`` for which tensors are file-backed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .platform import Platform
+
+__all__ = [
+    "AUTO_RESERVE",
+    "DiskTier",
+    "FileMaps",
+    "HostBudgetError",
+    "ReadAhead",
+    "StagingRing",
+    "TierPlan",
+    "auto_host_budget",
+    "check_budget",
+    "host_room",
+    "plan_tiers",
+    "reserve_bytes",
+]
+
+AUTO_RESERVE = 2 << 30
+"""The most ``"auto"`` keeps back from the measured room, in bytes (2 GiB)."""
+
+STAGING_CHUNK = 64 << 20
+"""Largest staging-ring buffer, in bytes (64 MiB); a ring holds ``STAGING_COUNT`` of them."""
+
+STAGING_COUNT = 2
+"""Buffers in a staging ring: one filled from disk while the other's copy runs."""
+
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
+
+
+class HostBudgetError(MemoryError):
+    """The host-memory budget cannot hold what must live in RAM (named, in bytes)."""
+
+
+# ----------------------------------------------------------------------------- "auto"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _UNLIMITED else value
+
+
+def _stat_field(path: Path, name: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _mem_available(root: Path) -> int | None:
+    try:
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_rooms(root: Path) -> list[int]:
+    """Room (limit - usage + inactive file) of every cgroup level with a memory limit that
+    this process sits in, v2 and v1; its own cgroup and each ancestor."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    rooms: list[int] = []
+    base = root / "sys/fs/cgroup"
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":  # v2: 0::/path
+            mount, limit_f, usage_f, inactive = base, "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):  # v1: N:memory:/path
+            mount, limit_f, usage_f, inactive = (
+                base / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+            )
+        else:
+            continue
+        rel_parts = [p for p in rel.strip("/").split("/") if p]
+        # the cgroup's own directory and every ancestor up to the mount (a container sees
+        # its own cgroup at the mount's top, with /proc/self/cgroup naming the host path)
+        dirs = [mount.joinpath(*rel_parts[:i]) for i in range(len(rel_parts), -1, -1)]
+        for d in dirs:
+            limit = _read_int(d / limit_f)
+            if limit is None:
+                continue
+            usage = _read_int(d / usage_f)
+            if usage is None:
+                continue
+            usage -= min(usage, _stat_field(d / "memory.stat", inactive))
+            rooms.append(max(limit - usage, 0))
+    return rooms
+
+
+def host_room(root: str | os.PathLike[str] = "/") -> int | None:
+    """Host memory new allocations can take now, in bytes: ``min(MemAvailable, every
+    memory-limited cgroup level's limit - usage)`` (usage without its inactive file pages,
+    which the kernel reclaims first), cgroup v2 and v1.
+
+    Args:
+        root: the file system root holding ``proc/`` and ``sys/fs/cgroup/`` (``"/"``; a
+            fake tree in tests).
+
+    Returns:
+        The bytes, or None when neither ``/proc/meminfo`` nor a cgroup limit is readable.
+    """
+    base = Path(root)
+    values = [v for v in [_mem_available(base), *_cgroup_rooms(base)] if v is not None]
+    return min(values) if values else None
+
+
+def reserve_bytes(room: int) -> int:
+    """What ``"auto"`` keeps back from ``room`` bytes: a tenth, at most ``AUTO_RESERVE``."""
+    return min(room // 10, AUTO_RESERVE)
+
+
+def auto_host_budget(held_bytes: int = 0, root: str | os.PathLike[str] = "/") -> int:
+    """The ``"auto"`` host-memory budget, in bytes: ``host_room(root)`` plus
+    ``held_bytes`` (host copies the process already holds, in anonymous memory: they
+    become the offload's host copies), minus ``reserve_bytes`` of that sum.
+
+    Raises:
+        HostBudgetError: the host memory cannot be measured (no ``/proc/meminfo``, no
+            cgroup limit); give the budget in bytes instead.
+    """
+    room = host_room(root)
+    if room is None:
+        raise HostBudgetError(
+            f"host_memory_budget='auto': cannot measure host memory (no {Path(root) / 'proc/meminfo'} "
+            "and no cgroup memory limit); give the budget in bytes"
+        )
+    total = room + max(int(held_bytes), 0)
+    return total - reserve_bytes(total)
+
+
+def check_budget(value: object) -> int | str | None:
+    """Validate a ``host_memory_budget``: an int number of bytes >= 0, ``"auto"`` or None.
+
+    Raises:
+        TypeError, ValueError: naming the field, the value and what is allowed.
+    """
+    if value is None or value == "auto":
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"host_memory_budget must be an int number of bytes, 'auto' or None, got {value!r}"
+        )
+    if value < 0:
+        raise ValueError(f"host_memory_budget must be >= 0 bytes, got {value}")
+    return value
+
+
+# ----------------------------------------------------------------------------- file maps
+
+
+@dataclass(frozen=True)
+class _Map:
+    start: int
+    end: int
+    offset: int
+    path: str
+
+
+class FileMaps:
+    """The process's private (copy-on-write) mappings of ``*.safetensors`` files, read
+    from ``/proc/self/maps`` once: which host tensors are file-backed, and where.
+
+    Args:
+        maps: the text of ``/proc/self/maps`` (None: read it now; empty off Linux).
+    """
+
+    def __init__(self, maps: str | None = None) -> None:
+        if maps is None:
+            try:
+                maps = Path("/proc/self/maps").read_text()
+            except OSError:
+                maps = ""
+        entries: list[_Map] = []
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) < 6 or parts[1][3] != "p" or not parts[5].endswith(".safetensors"):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            entries.append(_Map(lo, hi, int(parts[2], 16), parts[5]))
+        entries.sort(key=lambda m: m.start)
+        self._maps = entries
+        self._starts = [m.start for m in entries]
+
+    def backing(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """``(file path, byte offset)`` of the file bytes a host tensor's whole storage
+        maps, or None when it is not (wholly) a private map of a safetensors file."""
+        if t.device.type != "cpu":
+            return None
+        storage = t.untyped_storage()
+        ptr, n = storage.data_ptr(), storage.nbytes()
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if n == 0 or i < 0:
+            return None
+        m = self._maps[i]
+        if not (m.start <= ptr and ptr + n <= m.end):
+            return None
+        return m.path, m.offset + ptr - m.start
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class TierPlan:
+    """Which host copies live in which tier, chosen at ``enable``.
+
+    Attributes:
+        budget: the host-memory budget, in bytes.
+        ram_only_bytes: host copies that cannot be file-backed (they live in RAM).
+        file_bytes: host copies whose weights are file-backed.
+        disk_bytes: the file-backed ones left on disk (the rest of ``file_bytes`` is
+            copied into RAM).
+        staging_bytes: the pinned staging ring (0 without a disk tier).
+        disk_ids: ``id`` of every tensor left on disk.
+    """
+
+    budget: int
+    ram_only_bytes: int
+    file_bytes: int
+    disk_bytes: int
+    staging_bytes: int
+    disk_ids: set[int] = field(default_factory=set)
+
+    @property
+    def ram_bytes(self) -> int:
+        """Host copies in RAM (pinned or pageable)."""
+        return self.ram_only_bytes + self.file_bytes - self.disk_bytes
+
+    def line(self) -> str:
+        """The one start line: which tier holds what, and why."""
+        total = self.ram_only_bytes + self.file_bytes
+        if not self.disk_bytes:
+            return (
+                f"host tiers: all {total} bytes of host copies in RAM (pinned, then pageable): "
+                f"they fit the host budget of {self.budget} bytes; nothing read from disk"
+            )
+        return (
+            f"host tiers: {self.ram_bytes} bytes of host copies in RAM (pinned, then pageable), "
+            f"{self.disk_bytes} bytes left on disk (file-backed, read through a "
+            f"{self.staging_bytes}-byte pinned staging ring at every load): the {total} bytes "
+            f"exceed the host budget of {self.budget} bytes ({self.ram_only_bytes} of them "
+            "cannot be file-backed)"
+        )
+
+
+def _staging_bytes(budget: int, largest: int, spill: int) -> int:
+    # a buffer: one unit (block, component) or tensor, at most STAGING_CHUNK, a quarter of
+    # the budget (the ring is at most half of it) and the bytes that must leave RAM (a
+    # large ring would push more weights to disk than it serves)
+    chunk = max(min(STAGING_CHUNK, budget // (2 * STAGING_COUNT), largest, spill), 4096)
+    return STAGING_COUNT * chunk
+
+
+def plan_tiers(
+    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0
+) -> TierPlan:
+    """Choose the tier of every host copy the offload will hold.
+
+    Everything in RAM when it fits ``budget``; otherwise the tensors that cannot be
+    file-backed stay in RAM, a staging ring is set aside, and file-backed tensors are kept
+    in RAM in order while they fit; the rest stay on disk.
+
+    Args:
+        tensors: the distinct tensors (payloads) that get host copies: the selected
+            components' evictable weights.
+        budget: the host-memory budget in bytes.
+        maps: the process's file maps (None: read now).
+        unit_bytes: the bytes of the largest unit loaded at once (a streamed block, a
+            component): a staging-ring buffer holds one when the budget allows (at most
+            ``STAGING_CHUNK``, a quarter of the budget and the bytes that do not fit it),
+            so the reader can read the next one ahead.
+
+    Raises:
+        HostBudgetError: the tensors that cannot be file-backed, with the staging ring,
+            exceed ``budget`` (both named, in bytes).
+    """
+    maps = maps if maps is not None else FileMaps()
+    ram_only = 0
+    backed: list[tuple[int, int]] = []  # (id, bytes)
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if maps.backing(t) is not None and t.untyped_storage().nbytes() == n:
+            backed.append((id(t), n))
+        else:
+            ram_only += n
+    file_bytes = sum(n for _, n in backed)
+    if ram_only + file_bytes <= budget:
+        return TierPlan(budget, ram_only, file_bytes, 0, 0)
+    largest = max(max((n for _, n in backed), default=0), unit_bytes)
+    staging = _staging_bytes(budget, largest, ram_only + file_bytes - budget)
+    if ram_only + staging > budget:
+        raise HostBudgetError(
+            f"host_memory_budget={budget} bytes cannot hold the {ram_only} bytes of host "
+            f"copies that cannot be file-backed (weights cast at load, fused with a LoRA, "
+            f"quantized, from GGUF or built in memory)"
+            + (f" plus the {staging}-byte pinned staging ring" if backed else "")
+            + "; raise the budget, load the weights from safetensors in their stored dtype, "
+            "or select fewer components"
+        )
+    room = budget - ram_only - staging
+    disk_ids: set[int] = set()
+    disk = 0
+    for key, n in backed:
+        if n <= room:
+            room -= n
+        else:
+            disk_ids.add(key)
+            disk += n
+    return TierPlan(budget, ram_only, file_bytes, disk, staging, disk_ids)
+
+
+# ----------------------------------------------------------------------------- the disk tier
+
+
+class StagingRing:
+    """``STAGING_COUNT`` pinned host buffers through which disk-backed bytes reach the
+    device: each chunk is read (from the page cache or disk) into one buffer, then copied
+    to the device asynchronously; a buffer is reused once its copy's event completed.
+
+    Args:
+        platform: the device's platform (events, pinning).
+        nbytes: the ring's total size in bytes (``STAGING_COUNT`` equal buffers).
+        pin: pin the buffers (without it: synchronous copies, no ring memory).
+    """
+
+    def __init__(self, platform: Platform, nbytes: int, pin: bool) -> None:
+        self.platform = platform
+        self.chunk = max(nbytes // STAGING_COUNT, 1)
+        self.pin = pin
+        self.nbytes = STAGING_COUNT * self.chunk if pin else 0
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[Any] = [None] * STAGING_COUNT
+        self._next = 0
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        while len(self._bufs) <= i:
+            self._bufs.append(torch.empty(self.chunk, dtype=torch.uint8).pin_memory())
+        return self._bufs[i]
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, read: Any) -> None:
+        """Copy ``src`` (host ``uint8``, file-backed) into ``dst`` (device ``uint8``,
+        same size) chunk by chunk, on the current stream; ``read(chunk_view, nbytes)``
+        is called for every chunk read from ``src`` (the disk tier's counters)."""
+        n = src.numel()
+        if not self.pin:
+            read(src, n)
+            dst.copy_(src)
+            return
+        for off in range(0, n, self.chunk):
+            k = min(self.chunk, n - off)
+            i = self._next
+            self._next = (i + 1) % STAGING_COUNT
+            if self._events[i] is not None:
+                self._events[i].synchronize()
+            buf = self._buffer(i)[:k]
+            part = src[off : off + k]
+            read(part, k)
+            buf.copy_(part)
+            dst[off : off + k].copy_(buf, non_blocking=True)
+            event = self.platform.new_event()
+            if event is not None:
+                event.record()
+            else:
+                self.platform.synchronize()
+            self._events[i] = event
+
+
+class DiskTier:
+    """The disk-backed host copies of one enabled backend: which slots they are, how they
+    reach the device (``StagingRing``), and their counters in the mover's ``stats``
+    (``disk_backed_bytes``, ``disk_read_bytes``, ``cow_bytes``, ``staging_bytes``).
+
+    ``transfer.Mover`` calls it through ``Mover.disk``: ``wants`` (keep this tensor off
+    arenas and unpinned), ``claim`` (these slots are disk-backed), ``holds``, ``to_device``
+    (a load), ``note_write`` (a write-back into a private copy-on-write page).
+
+    Args:
+        plan: the tier plan (``plan_tiers``).
+        platform: the device's platform.
+        stats: the mover's ``TransferStats``.
+        pin: pin the staging ring.
+        read_ahead: run a ``ReadAhead`` reader thread.
+
+    Attributes:
+        read_delay: seconds slept per byte read from a disk-backed host copy the reader
+            has not read ahead: a test knob that simulates a slow disk (0: none). The
+            reader sleeps it when it reads ahead; a load of a slot read ahead does not.
+        reader: the ``ReadAhead`` thread, or None.
+    """
+
+    def __init__(
+        self, plan: TierPlan, platform: Platform, stats: Any, pin: bool, read_ahead: bool = True
+    ) -> None:
+        self.plan = plan
+        self.platform = platform
+        self.stats = stats
+        self.ring = StagingRing(platform, plan.staging_bytes, pin)
+        self.read_delay = 0.0
+        self._slots: dict[int, tuple[Any, int]] = {}  # id(slot) -> (slot, host data_ptr)
+        self._written: set[int] = set()
+        stats.staging_bytes = self.ring.nbytes
+        self.reader: ReadAhead | None = ReadAhead(self, plan.staging_bytes) if read_ahead else None
+
+    def wants(self, objs: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``objs`` stays on disk (its host copy must stay the file map)."""
+        return any(id(o) in self.plan.disk_ids for o in objs)
+
+    def claim(self, slot: Any) -> bool:
+        """Register ``slot`` as disk-backed if its members stay on disk; True if so."""
+        if slot.host is None or not self.wants(m.obj for m in slot.members):
+            return False
+        self._slots[id(slot)] = (slot, slot.host.data_ptr())
+        return True
+
+    def holds(self, slot: Any) -> bool:
+        """Whether ``slot``'s host copy is (still) its disk-backed file map."""
+        entry = self._slots.get(id(slot))
+        return entry is not None and entry[0] is slot and slot.host is not None and (
+            slot.host.data_ptr() == entry[1]
+        )
+
+    def _read(self, part: torch.Tensor, nbytes: int) -> None:
+        self.stats.disk_read_bytes += nbytes
+
+    def to_device(self, slot: Any, device: torch.device) -> torch.Tensor:
+        """A device copy of the disk-backed ``slot``'s host span (``uint8``), through the
+        ring; the reader is then asked to read what followed it last time."""
+        reader = self.reader
+        if reader is not None:
+            reader.take(slot)
+        elif self.read_delay:
+            time.sleep(self.read_delay * slot.nbytes)
+        dst = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
+        self.ring.copy(slot.host, dst, self._read)
+        if reader is not None:
+            reader.after(slot)
+        return dst
+
+    def close(self) -> None:
+        """Stop the reader thread (``disable``)."""
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+    def note_write(self, slot: Any) -> None:
+        """``slot``'s host copy is about to be written (a write-back, a host replacement):
+        its private copy-on-write pages become anonymous memory, counted in ``cow_bytes``.
+
+        Raises:
+            HostBudgetError: those pages do not fit the budget with what is in RAM now
+                (host copies, ring, written pages); nothing was written, the new values
+                stay where they are.
+        """
+        if id(slot) in self._written:
+            return
+        s = self.stats
+        ram_in_use = s.pinned_bytes + s.pageable_host_bytes + s.cow_bytes + s.staging_bytes
+        budget = self.plan.budget
+        if ram_in_use + slot.nbytes > budget:
+            raise HostBudgetError(
+                f"host_memory_budget={budget} bytes has no room for the {slot.nbytes} bytes of "
+                f"a written disk-backed weight ({ram_in_use} bytes in RAM already): its "
+                "private copy-on-write copy would exceed the budget; the new values stay on "
+                "the device. Raise the budget, or disable() and enable() again after writing "
+                "weights"
+            )
+        self._written.add(id(slot))
+        self.stats.cow_bytes += slot.nbytes
+
+
+class ReadAhead:
+    """A reader thread that reads disk-backed host copies ahead of their loads, so disk
+    time overlaps compute.
+
+    It learns the order of loads (which slot was loaded after which, last time: the next
+    blocks in layer mode, the next component's slots in module mode) and, after each
+    load, reads the slots that followed it, at most ``limit`` bytes ahead (the staging
+    ring's size): their pages come into the page cache (one byte a page is read, so the
+    kernel reads each page from the file), and the ``DiskTier.read_delay`` knob is slept
+    there instead of in the load. A load of a slot being read waits for it.
+
+    Args:
+        tier: the disk tier.
+        limit: bytes read ahead of the slot last loaded, at most.
+    """
+
+    def __init__(self, tier: DiskTier, limit: int) -> None:
+        self.tier = tier
+        self.limit = max(limit, 1)
+        self._next: dict[int, Any] = {}  # id(slot) -> the slot loaded after it last time
+        self._last: Any = None
+        self._queue: list[Any] = []
+        self._busy: Any = None
+        self._ready: set[int] = set()  # read ahead, not loaded since
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="diffusion-offload-reader", daemon=True)
+        self._thread.start()
+
+    def take(self, slot: Any) -> None:
+        """Before ``slot``'s load: wait if it is being read; sleep the knob if it was not
+        read ahead. Learns that ``slot`` followed the previous load."""
+        key = id(slot)
+        with self._cond:
+            if self._last is not None and self._last is not slot:
+                self._next[id(self._last)] = slot
+            self._last = slot
+            if any(s is slot for s in self._queue):
+                self._queue = [s for s in self._queue if s is not slot]
+            while self._busy is slot:
+                self._cond.wait()
+            warm = key in self._ready
+            self._ready.discard(key)
+        if not warm and self.tier.read_delay:
+            time.sleep(self.tier.read_delay * slot.nbytes)
+
+    def after(self, slot: Any) -> None:
+        """After ``slot``'s load: queue what followed it last time, up to ``limit`` bytes."""
+        ahead: list[Any] = []
+        total = 0
+        seen = {id(slot)}
+        nxt = self._next.get(id(slot))
+        while nxt is not None and id(nxt) not in seen and total + nxt.nbytes <= self.limit:
+            seen.add(id(nxt))
+            ahead.append(nxt)
+            total += nxt.nbytes
+            nxt = self._next.get(id(nxt))
+        with self._cond:
+            self._queue = [
+                s for s in ahead if id(s) not in self._ready and s is not self._busy
+            ]
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                slot = self._busy = self._queue.pop(0)
+            host = slot.host
+            if host is not None and host.numel():
+                host[::4096].sum()  # one byte a page: the kernel reads every page
+            if self.tier.read_delay:
+                time.sleep(self.tier.read_delay * slot.nbytes)
+            with self._cond:
+                self._ready.add(id(slot))
+                self._busy = None
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the slot it is reading)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
