@@ -43,7 +43,7 @@ _LAZY = {
     "offload_component": ".core.hooks",
     "PartSwitcher": ".core.backends.split",
     "SupportsModelCpuOffload": ".core.backends.split",
-    "TransferStats": ".core.transfer",
+    "TransferStats": ".core.stats",
     "Omni": ".engine",
     "SamplingParams": ".engine",
     "GenerationOutput": ".engine",

@@ -9,7 +9,8 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``writes``: write detection: fingerprints of a tensor's bytes, its host-visible write state.
 - ``quantized``: the plain tensors that carry each weight (quantized formats), refusals.
 - ``arena``: host arenas: many host copies in one buffer, one H2D copy per arena.
-- ``transfer``: moving weights (``Mover``, ``Transaction``), ``TransferStats``.
+- ``stats``: ``TransferStats``, the engine's counters.
+- ``transfer``: moving weights (``Mover``, ``Transaction``, ``TensorSlot``).
 - ``tiers``: the host-memory budget and its tiers (pinned, pageable, disk): ``"auto"``,
   file-backed weights, the staging ring.
 - ``checks``: device write checks (``LoadCheck``): what a load put on the device, what changed.

@@ -27,7 +27,8 @@ import torch
 
 from .arena import Arena, sums
 from .platform import Platform
-from .transfer import Member, TensorSlot, TransferStats
+from .stats import TransferStats
+from .transfer import Member, TensorSlot
 from .writes import fingerprints
 
 __all__ = ["changed", "compare_with_host", "record"]

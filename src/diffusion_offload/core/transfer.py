@@ -3,8 +3,8 @@
 ``TensorSlot`` is one host storage span and the tensor objects that view it (a tensor,
 its ties, and Parameters that alias one storage share one slot, so they keep one host
 copy and stay aliased). ``Mover`` performs every load and eviction on every platform the
-same way, inside a ``Transaction`` that can put every tensor back, and keeps the engine's
-counters (``TransferStats``).
+same way, inside a ``Transaction`` that can put every tensor back, and counts what it
+moves in the engine's counters (``stats.TransferStats``).
 
 The rules (SPEC section 4, robustness contract):
 
@@ -42,7 +42,6 @@ import signal
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -51,102 +50,15 @@ from . import hostmem
 from .arena import ARENA_BYTES, Arena, layout
 from .platform import Platform, same_device
 from .quantized import refresh
+from .stats import TransferStats
 
 __all__ = [
     "Member",
     "Mover",
     "TensorSlot",
     "Transaction",
-    "TransferStats",
     "payload_of",
 ]
-
-
-@dataclass
-class TransferStats:
-    """The engine's own counters of the weight moves it made, and its host memory.
-
-    Attributes:
-        h2d_bytes: weight bytes copied host->device.
-        d2h_bytes: weight bytes copied device->host: write-backs of tensors whose bytes
-            changed while resident, and host copies of tensors adopted while on the device.
-            Fingerprint read-backs are not weight bytes and are not counted here.
-        loads: component loads that moved at least one tensor.
-        evictions: component evictions that moved at least one tensor.
-        transfer_seconds: wall seconds spent in loads and evictions, synchronize included.
-        fingerprint_bytes: device bytes read by write checks (``checks.LoadCheck``: at
-            load and when leaving the device).
-        fingerprints: write-check sums computed on the device: one per arena (its row and
-            column sums) or per member fingerprinted one by one, at load and when leaving.
-        check_d2h_bytes: bytes copied back to the host to decide whether weights changed:
-            8 per member compared with its host copy, and one byte per sum when a
-            comparison on the device differs (the comparison's own answer, ``torch.equal``,
-            is a host wait but no copy). Not weight bytes.
-        device_checks: write checks decided on the device when weights left it: one
-            comparison read back (a host wait) each, plus per-member read-backs when it
-            differs.
-        host_checks: layer mode: block releases decided on the host (version counters and
-            storage identity, no device op, no read-back): blocks loaded and released
-            inside one stage call.
-        prefetches: layer mode: block loads issued ahead of use on the copy stream.
-        fallback_loads: layer mode: blocks that ran without having been prefetched (the
-            model skipped or repeated a block, or the first block of a first call) and
-            were loaded synchronously.
-        wasted_prefetches: layer mode: prefetched blocks released without having run (a
-            wrong guess, or a block a cache such as First Block Cache skipped: at most one
-            per cached forward).
-        wasted_bytes: the H2D bytes of those blocks (part of ``h2d_bytes``).
-        pinned_bytes: bytes of host copies in pinned (page-locked) memory now (a gauge).
-        pageable_host_bytes: bytes of host copies in pageable memory now (a gauge).
-        disk_backed_bytes: bytes of host copies left on disk: file-backed memory maps read
-            at every load (``tiers``; a gauge).
-        disk_read_bytes: bytes read from disk-backed host copies (the loads' reads).
-        cow_bytes: bytes of disk-backed host copies written (private copy-on-write pages:
-            anonymous memory, counted against the host budget; a gauge).
-        staging_bytes: bytes of the pinned staging ring of disk-backed loads (a gauge).
-    """
-
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    loads: int = 0
-    evictions: int = 0
-    transfer_seconds: float = 0.0
-    fingerprint_bytes: int = 0
-    fingerprints: int = 0
-    check_d2h_bytes: int = 0
-    device_checks: int = 0
-    host_checks: int = 0
-    prefetches: int = 0
-    fallback_loads: int = 0
-    wasted_prefetches: int = 0
-    wasted_bytes: int = 0
-    pinned_bytes: int = 0
-    pageable_host_bytes: int = 0
-    disk_backed_bytes: int = 0
-    disk_read_bytes: int = 0
-    cow_bytes: int = 0
-    staging_bytes: int = 0
-
-    _GAUGES = ("pinned_bytes", "pageable_host_bytes", "disk_backed_bytes", "cow_bytes", "staging_bytes")
-
-    def snapshot(self) -> "TransferStats":
-        """A copy of the current values."""
-        return TransferStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    def since(self, earlier: "TransferStats") -> "TransferStats":
-        """Counters accumulated after ``earlier`` (a ``snapshot``); gauges keep their current value."""
-        return TransferStats(
-            **{
-                f.name: getattr(self, f.name)
-                if f.name in self._GAUGES
-                else getattr(self, f.name) - getattr(earlier, f.name)
-                for f in fields(self)
-            }
-        )
-
-    def as_dict(self) -> dict[str, float]:
-        """The counters as a plain dict (JSON-ready)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _restore(arena: Arena, loaded: tuple[int | None, bool]) -> None:

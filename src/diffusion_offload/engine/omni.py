@@ -19,7 +19,7 @@ from ..core.backends.module import ModelLevelOffloadBackend
 from ..core.config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from ..core.discovery import ROLES
 from ..core.platform import Platform, normalize_device, platform_for
-from ..core.transfer import TransferStats
+from ..core.stats import TransferStats
 from ..core.tiers import auto_host_budget, check_budget
 from ..models.fit import Footprint, check_fit
 from ..models.caches import clear_method_caches

@@ -28,7 +28,8 @@ from ..foreign import check_foreign_hooks
 from ..hooks import HookHandle, get_handle
 from ..platform import Platform, platform_for, same_device
 from ..residency import ComponentWeights, WeightTable, named_carriers
-from ..transfer import Mover, Transaction, TransferStats, payload_of
+from ..stats import TransferStats
+from ..transfer import Mover, Transaction, payload_of
 from .split import SupportsModelCpuOffload
 
 __all__ = ["OffloadBackendBase"]

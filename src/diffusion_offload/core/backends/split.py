@@ -29,7 +29,8 @@ from torch import nn
 
 from ..platform import platform_for
 from ..residency import ComponentWeights, WeightTable, named_tensors
-from ..transfer import Mover, Transaction, TransferStats
+from ..stats import TransferStats
+from ..transfer import Mover, Transaction
 
 __all__ = ["PartSwitcher", "SupportsModelCpuOffload"]
 
