@@ -23,7 +23,9 @@ from ..core.transfer import TransferStats
 from ..models.fit import Footprint, check_fit
 from ..models.caches import clear_method_caches
 from ..models.files import ModelInfo, inspect_model, resolve_model
+from .knobs import knob_table
 from .params import GenerationOutput, SamplingParams
+from .requests import call_kwargs, check_request, request_overrides
 from .trace import TraceRecorder
 
 __all__ = ["Omni", "build_omni", "check_peft", "parse_dtype", "pick_device"]
@@ -324,6 +326,8 @@ class Omni:
                 if streamer is not None:  # layer mode: block spans on the component lanes
                     streamer.listeners.append(self.tracer.on_block)
         self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
+        self.knobs, self.refused_args = knob_table(self.pipeline.__call__)
+        self._own_config = dict(self.pipeline.config)  # check_request's view: never an override
         self.load_seconds = time.perf_counter() - start
         self._load_reported = False
 
@@ -426,25 +430,8 @@ class Omni:
         """The engine's cumulative weight-move counters (zeros without offload)."""
         return self.backend.stats if self.backend is not None else TransferStats()
 
-    def _call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        mapping = {
-            "height": params.height,
-            "width": params.width,
-            "num_frames": params.num_frames,
-            "num_inference_steps": params.num_inference_steps,
-            "guidance_scale": params.guidance_scale,
-            "guidance_scale_2": params.guidance_scale_2,
-        }
-        kwargs = {}
-        for key, value in mapping.items():
-            if value is None:
-                continue
-            if key not in self._call_params:
-                raise ValueError(
-                    f"SamplingParams.{key}={value!r} is not supported by "
-                    f"{self.info.pipeline_class} (it takes no {key!r})"
-                )
-            kwargs[key] = value
+    def _call_kwargs(self, params: SamplingParams, has_negative: bool) -> dict[str, Any]:
+        kwargs = call_kwargs(self.pipeline, self.knobs, self.refused_args, params, has_negative)
         frames = kwargs.get("num_frames")
         factor = getattr(self.pipeline, "vae_scale_factor_temporal", None)
         if frames is not None and isinstance(factor, int) and factor > 1 and (frames - 1) % factor:
@@ -453,6 +440,33 @@ class Omni:
                 f"num_frames - 1 must be a multiple of {factor} (e.g. {frames - (frames - 1) % factor})"
             )
         return kwargs
+
+    def _prepare(self, prompts: Any, params: SamplingParams
+                 ) -> tuple[list[tuple[str, str | None]], dict[str, Any]]:
+        items = _normalize_prompts(prompts)
+        has_negative = any(neg is not None for _, neg in items)
+        if has_negative and "negative_prompt" not in self._call_params:
+            raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
+        return items, self._call_kwargs(params, has_negative)
+
+    def check_request(self, prompts: Any, sampling_params: SamplingParams | None = None) -> None:
+        """Check a request as ``generate`` would, and with the pipeline's own
+        ``check_inputs``, without running it (``serve`` calls this as a request arrives).
+
+        Thread-safe without the engine's lock: the pipeline is seen with its own config,
+        never a running request's ``boundary_ratio``.
+
+        Raises:
+            TypeError, ValueError: what ``generate`` would raise before running, or what
+                the pipeline's ``check_inputs`` raises (its message kept).
+            RuntimeError: the engine was closed.
+        """
+        if self.pipeline is None:
+            raise RuntimeError("this Omni engine is closed; build a new one to generate")
+        params = sampling_params or SamplingParams()
+        items, kwargs = self._prepare(prompts, params)
+        for prompt, negative in items:
+            check_request(self.pipeline, self._own_config, prompt, negative, kwargs, params)
 
     # ------------------------------------------------------------------ API
 
@@ -466,7 +480,11 @@ class Omni:
         Args:
             prompts: a prompt string, a dict with ``prompt`` and ``negative_prompt``, or
                 a list of them.
-            sampling_params: ``SamplingParams``; None fields take the pipeline's defaults.
+            sampling_params: ``SamplingParams``; None fields take the pipeline's defaults;
+                its ``flow_shift``/``boundary_ratio`` hold for this call only (the model's own
+                are restored after it, also when it raises). A negative prompt on a
+                pipeline that uses it only with ``true_cfg_scale > 1`` (FLUX) gets
+                ``true_cfg_scale`` 4.0 when unset (``engine.knobs.DEFAULT_TRUE_CFG_SCALE``).
 
         Returns:
             One ``GenerationOutput`` per prompt, in order.
@@ -480,12 +498,10 @@ class Omni:
         with self._lock:  # one request at a time: no thread evicts a component mid-forward
             if self.pipeline is None:
                 raise RuntimeError("this Omni engine is closed; build a new one to generate")
-            items = _normalize_prompts(prompts)
             params = sampling_params or SamplingParams()
-            kwargs = self._call_kwargs(params)
-            if any(neg is not None for _, neg in items) and "negative_prompt" not in self._call_params:
-                raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
-            return [self._run(prompt, negative, params, kwargs) for prompt, negative in items]
+            items, kwargs = self._prepare(prompts, params)
+            with request_overrides(self.pipeline, params):
+                return [self._run(prompt, negative, params, kwargs) for prompt, negative in items]
 
     def _run(
         self, prompt: str, negative: str | None, params: SamplingParams, kwargs: dict[str, Any]
