@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import secrets
 import time
@@ -22,6 +23,7 @@ from .schemas import (
     VideoGenerationRequest,
     check_limits,
     form_to_dict,
+    pipeline_kwargs,
     validation_error,
 )
 from .middleware import key_matches
@@ -33,6 +35,7 @@ logger = logging.getLogger("diffusion_offload.server")
 
 _JSON = "application/json"
 _MULTIPART = "multipart/form-data"
+_URLENCODED = "application/x-www-form-urlencoded"
 
 
 def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
@@ -42,10 +45,10 @@ def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
 
     rules = state.rules
     defaults = dict(rules.defaults) if rules is not None else {}
-    width, height = req.dimensions or (defaults.get("width"), defaults.get("height"))
+    width, height = req.dimensions or (None, None)
     values: dict[str, Any] = {
-        "width": width,
-        "height": height,
+        "width": width if width is not None else defaults.get("width"),
+        "height": height if height is not None else defaults.get("height"),
         "num_inference_steps": req.num_inference_steps
         if req.num_inference_steps is not None
         else defaults.get("num_inference_steps"),
@@ -53,12 +56,70 @@ def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
     if video:
         if req.seconds is not None:
             fps = req.fps or DEFAULT_FPS
-            values["num_frames"] = frames_for_seconds(req.seconds, fps, state.limits.frame_step)
+            values["num_frames"] = frames_for_seconds(req.duration, fps, state.limits.frame_step)
         else:
             values["num_frames"] = (
                 req.num_frames if req.num_frames is not None else defaults.get("num_frames")
             )
     return values
+
+
+def _prompt_item(req: Any) -> Any:
+    """The engine's prompt item: the text, or ``{"prompt", "negative_prompt"}``."""
+    if req.negative_prompt is None:
+        return req.prompt
+    return {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
+
+
+def _check_with_engine(engine: Any, prompt: Any, params: Any) -> None:
+    """What the engine (and the pipeline's own ``check_inputs``) would refuse, as a 400
+    now; engines without ``check_request`` (test doubles, Ray's remote one) skip it."""
+    check = getattr(engine, "check_request", None)
+    if check is None:
+        return
+    try:
+        check(prompt, params)
+    except (TypeError, ValueError) as exc:
+        field = getattr(exc, "field", None)
+        message = str(exc) if field else f"Invalid request: the model refused it: {exc}"
+        raise APIError(400, message, param=field, code="invalid_value") from None
+
+
+def _params(state: BaseServerState, req: Any, values: dict[str, Any], text: bool,
+            **fields: Any) -> Any:
+    """``SamplingParams`` of a validated request: its resolved values, knobs and seed."""
+    from ..engine.params import SamplingParams
+
+    return SamplingParams(
+        height=values["height"],
+        width=values["width"],
+        num_inference_steps=values["num_inference_steps"],
+        guidance_scale=req.guidance_scale,
+        seed=req.seed if req.seed is not None else random_seed(),
+        flow_shift=req.flow_shift,
+        boundary_ratio=req.boundary_ratio,
+        extra=pipeline_kwargs(req, state.limits, text=text) or None,
+        **fields,
+    )
+
+
+def _form_json(data: dict[str, Any]) -> dict[str, Any]:
+    """A form's ``extra_params``, sent as JSON text, decoded (an object is required)."""
+    text = data.get("extra_params")
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise APIError(400, "Invalid value for 'extra_params': a form sends it as a JSON "
+                                f"object, e.g. '{{\"true_cfg_scale\": 4.0}}', got {text[:80]!r}.",
+                           param="extra_params", code="invalid_value")
+        data = {**data, "extra_params": value}
+    return data
+
+
+_IMAGE_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -191,9 +252,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Any:
-        """Generate ``n`` PNG images; answers when they are done."""
-        from ..engine.params import SamplingParams
-
+        """Generate ``n`` images (PNG, or ``output_format``); answers when they are done."""
         media = _media_type(request)
         if media != _JSON:
             raise _wrong_content_type(media, (_JSON,))
@@ -213,44 +272,42 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         values = _resolve(state, req, video=False)
         check_limits(req, state.limits, values)
         n = req.n or 1
-        params = SamplingParams(
-            height=values["height"],
-            width=values["width"],
-            num_inference_steps=values["num_inference_steps"],
-            guidance_scale=req.guidance_scale,
-            seed=req.seed if req.seed is not None else random_seed(),
-            num_outputs_per_prompt=n,
-        )
-        prompt = (
-            req.prompt
-            if req.negative_prompt is None
-            else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
-        )
+        params = _params(state, req, values, text=False, num_outputs_per_prompt=n)
+        prompt = _prompt_item(req)
+        _check_with_engine(engine, prompt, params)
+        fmt = req.output_format or "png"
         as_url = req.response_format == "url"  # kept like a video job, served below
-        job = Job("image", JobSpec(prompt, params, size=req.size), store=as_url)
+        spec = JobSpec(prompt, params, size=req.size, image_format=fmt,
+                       compression=req.output_compression)
+        job = Job("image", spec, store=as_url)
         try:
-            pngs = await state.run_and_wait(job, lambda: _wait_disconnect(request))
+            images = await state.run_and_wait(job, lambda: _wait_disconnect(request))
         except ClientGone:
             return Response(status_code=499)  # nobody is listening
-        if as_url:
-            data = [{"url": str(request.url_for("image_file", image_id=job.id, index=i))}
-                    for i in range(n)]
-        else:
-            data = [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs]
-        body = {"created": int(time.time()), "data": data}
         headers = state.response_headers(job)
+        if req.response_format == "file":
+            return Response(images[0], media_type=_IMAGE_TYPES[fmt], headers=headers)
+        if as_url:
+            data = [{"url": str(request.url_for("image_file", image_id=job.id, index=i, ext=fmt)),
+                     "b64_json": None, "revised_prompt": None} for i in range(n)]
+        else:
+            data = [{"b64_json": base64.b64encode(image).decode("ascii"), "url": None,
+                     "revised_prompt": None} for image in images]
+        body = {"created": int(time.time()), "data": data, "output_format": fmt}
         return JSONResponse(body, headers=headers) if headers else body
 
-    @app.get("/v1/images/{image_id}/{index}.png", name="image_file")
-    async def image_file(image_id: str, index: int) -> Response:
+    @app.get("/v1/images/{image_id}/{index}.{ext}", name="image_file")
+    async def image_file(image_id: str, index: int, ext: str) -> Response:
         """Image ``index`` of a ``response_format="url"`` request, kept ``--job-ttl``
-        seconds (404 once expired or for an unknown id)."""
+        seconds (404 once expired, for an unknown id, or another extension than the
+        request's ``output_format``)."""
         job = await state.get_job(image_id)
-        pngs = await state.job_content(job) if job is not None and job.kind == "image" else None
-        if not pngs or not 0 <= index < len(pngs):
-            raise APIError(404, f"No image {index} of {image_id!r} (unknown or expired).",
+        images = await state.job_content(job) if job is not None and job.kind == "image" else None
+        if not images or not 0 <= index < len(images) or ext != job.payload.image_format:
+            raise APIError(404, f"No image {index}.{ext} of {image_id!r} (unknown or expired).",
                            param="image_id", code="image_not_found")
-        return Response(pngs[index], media_type="image/png", headers=state.response_headers(job))
+        return Response(images[index], media_type=_IMAGE_TYPES[ext],
+                        headers=state.response_headers(job))
 
     # -------------------------------------------------------------- videos
 
@@ -269,21 +326,20 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
     @app.post("/v1/videos")
     async def create_video(request: Request) -> Any:
         """Queue a video job; poll ``GET /v1/videos/{id}``."""
-        from ..engine.params import SamplingParams
-
         media = _media_type(request)
+        is_form = media in (_MULTIPART, _URLENCODED)
         try:
             if media == _JSON:
                 req = VideoGenerationRequest.model_validate_json(await request.body(), strict=True)
-            elif media == _MULTIPART:
+            elif is_form:
                 form = await request.form()
                 try:
                     data = form_to_dict(list(form.multi_items()))
                 finally:
                     await form.close()
-                req = VideoGenerationRequest.model_validate(data, strict=False)
+                req = VideoGenerationRequest.model_validate(_form_json(data), strict=False)
             else:
-                raise _wrong_content_type(media, (_JSON, _MULTIPART))
+                raise _wrong_content_type(media, (_JSON, _MULTIPART, _URLENCODED))
         except ValidationError as exc:
             raise validation_error(exc) from None
         engine = state.require_engine()
@@ -298,22 +354,12 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             )
         values = _resolve(state, req, video=True)
         check_limits(req, state.limits, values)
-        params = SamplingParams(
-            height=values["height"],
-            width=values["width"],
-            num_frames=values["num_frames"],
-            fps=req.fps,
-            num_inference_steps=values["num_inference_steps"],
-            guidance_scale=req.guidance_scale,
-            guidance_scale_2=req.guidance_scale_2,
-            seed=req.seed if req.seed is not None else random_seed(),
-        )
-        prompt = (
-            req.prompt
-            if req.negative_prompt is None
-            else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
-        )
-        job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size), store=True)
+        params = _params(state, req, values, text=is_form, num_frames=values["num_frames"],
+                         fps=req.fps, guidance_scale_2=req.guidance_scale_2)
+        prompt = _prompt_item(req)
+        _check_with_engine(engine, prompt, params)
+        job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size,
+                                   seconds=req.seconds), store=True)
         body = state.video_object(job, status=QUEUED)
         await state.submit_job(job)
         return body
