@@ -55,6 +55,7 @@ _REQUEST_ARGS = {
     "num_inference_steps": ("steps", "--steps"),
     "seed": ("seed", "--seed"),
     "fps": ("fps", "--fps"),
+    "params": ("param", "--param"),
     "device": ("device", "--device"),
     "dtype": ("dtype", "--dtype"),
     "max_pinned_bytes": ("max_pinned_memory", "--max-pinned-memory"),
@@ -194,6 +195,57 @@ def _summary(output: Any, report: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- generate
 
 
+_PARAM_FIELDS = ("flow_shift", "boundary_ratio", "guidance_scale_2")
+"""``--param`` names that are ``SamplingParams`` fields rather than ``__call__`` arguments."""
+
+
+def _param_args(items: list[str], pipeline_class: str, steps: int | None) -> dict[str, Any]:
+    """``--param NAME=VALUE`` pairs as ``SamplingParams`` fields (``extra`` for the
+    ``__call__`` knobs), each checked by ``engine.knobs`` before any weight is read.
+
+    Raises:
+        CliError: not ``NAME=VALUE``, a name given twice, one the pipeline does not take
+            (the message lists those it does), one the engine sets, or a bad value.
+    """
+    if not items:
+        return {}
+    import diffusers
+
+    from .engine.knobs import Knob, KnobError, check_knob, knob_table, refusal
+
+    knobs, refused = knob_table(getattr(diffusers, pipeline_class).__call__)
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise CliError(f"--param {item!r}: write NAME=VALUE, e.g. --param true_cfg_scale=4")
+        if name in fields or name in extra:
+            raise CliError(f"--param {name}: given twice")
+        try:
+            if name in _PARAM_FIELDS:
+                fields[name] = check_knob(Knob(name, "float"), text, field=name, text=True)
+                continue
+            if name in refused:
+                raise refusal(name, refused[name])
+            if name not in knobs or name in ("negative_prompt", "height", "width", "num_frames",
+                                             "num_inference_steps", "guidance_scale"):
+                own = {"negative_prompt": "--negative-prompt", "height": "--height",
+                       "width": "--width", "num_frames": "--num-frames",
+                       "num_inference_steps": "--steps", "guidance_scale": "--guidance-scale"}
+                if name in own:
+                    raise KnobError(name, f"give {name} as {own[name]}")
+                taken = sorted(set(knobs) - set(own)) + list(_PARAM_FIELDS)
+                raise KnobError(name, f"{pipeline_class} takes no {name!r}; it takes: "
+                                      f"{', '.join(taken)}")
+            extra[name] = check_knob(knobs[name], text, field=name, text=True,
+                                     max_items=(steps or 1000) + 1)
+        except KnobError as exc:
+            raise CliError(f"--param {name}: {exc}") from None
+    return {**fields, **({"extra": extra} if extra else {})}
+
+
 def _generate(args: argparse.Namespace) -> int:
     _apply_report(args)
     config = parse_config_args(args)
@@ -252,9 +304,11 @@ def _generate(args: argparse.Namespace) -> int:
     seed = 0 if args.seed is None else args.seed
     fps = (args.fps or DEFAULT_FPS) if info.is_video else None
     prompt_text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    knobs = _param_args(args.param or [], info.pipeline_class, values.get("num_inference_steps"))
     try:
         device = pick_device(args.device)  # picked once: its log line is said once
-        params = SamplingParams(seed=seed, fps=fps, guidance_scale=args.guidance_scale, **values)
+        params = SamplingParams(seed=seed, fps=fps, guidance_scale=args.guidance_scale, **values,
+                                **knobs)
     except (TypeError, ValueError) as exc:
         raise CliError(f"--device: {exc}" if "device" in str(exc) else str(exc)) from None
     _apply_fake_capacity(args.device)
@@ -318,6 +372,7 @@ def _generate(args: argparse.Namespace) -> int:
                 # auto's pick included, so --from-report replays what ran
                 "device_memory_budget": getattr(engine, "device_memory_budget", None),
                 "guidance_scale": args.guidance_scale,
+                "params": list(args.param) if args.param else None,
                 "loras": [list(lora) for lora in args.lora or ()] or None,
                 "output": str(out_path),
             },

@@ -485,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="frames of a video (default: the model's; 5 for a make-tiny model)")
     gen.add_argument("--guidance-scale", type=_float(0.0), metavar="SCALE",
                      help="classifier-free guidance scale (default: the pipeline's)")
+    gen.add_argument("--param", action="append", metavar="NAME=VALUE", default=None,
+                     help="a pipeline knob by name, repeatable: any JSON-valued argument of "
+                          "the pipeline's __call__ (true_cfg_scale=4, max_sequence_length=256, "
+                          "sigmas=[1.0,0.5]), or flow_shift / boundary_ratio / guidance_scale_2; "
+                          "checked as serve checks request fields")
     gen.add_argument("--fps", type=_int("--fps", 1, 240), metavar="N",
                      help="frames per second of the written video (default: 16)")
     gen.add_argument("--report", metavar="FILE.json",
