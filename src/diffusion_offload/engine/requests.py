@@ -12,15 +12,102 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .knobs import DEFAULT_TRUE_CFG_SCALE, Knob, KnobError, check_knob, refusal
 from .params import SamplingParams
 
-__all__ = ["call_kwargs", "check_request", "request_overrides", "shift_key"]
+__all__ = ["PromptItem", "call_kwargs", "check_request", "normalize_prompts", "request_overrides",
+           "shift_key", "variant_for"]
 
 _NAMED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale",
           "guidance_scale_2")
+
+
+_ITEM_KEYS = ("prompt", "negative_prompt", "image", "mask")
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of ``Omni.generate``.
+
+    Attributes:
+        prompt: the text.
+        negative: the negative prompt, or None.
+        images: the images to edit (PIL), or None (text-to-image or -video).
+        mask: the inpainting mask (PIL; white is repainted), or None.
+    """
+
+    prompt: str
+    negative: str | None = None
+    images: tuple[Any, ...] | None = None
+    mask: Any = None
+
+    def images_kwargs(self) -> dict[str, Any]:
+        """``image`` (one image, or a list of several) and ``mask_image`` for ``__call__``."""
+        out: dict[str, Any] = {}
+        if self.images:
+            out["image"] = self.images[0] if len(self.images) == 1 else list(self.images)
+        if self.mask is not None:
+            out["mask_image"] = self.mask
+        return out
+
+
+def normalize_prompts(prompts: Any) -> list[PromptItem]:
+    """``Omni.generate``'s prompts as items.
+
+    Raises:
+        ValueError: empty, unknown keys, or a mask without an image.
+        TypeError: a value of the wrong type (a non-PIL image, a non-str prompt).
+    """
+    from PIL import Image
+
+    items = prompts if isinstance(prompts, list) else [prompts]
+    if not items:
+        raise ValueError("prompts must not be empty")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(PromptItem(item))
+            continue
+        if not isinstance(item, Mapping):
+            raise TypeError(
+                f"prompts must be a str, a dict with 'prompt' (and 'negative_prompt', 'image', "
+                f"'mask'), or a list of them; got {item!r} ({type(item).__name__})"
+            )
+        unknown = set(item) - set(_ITEM_KEYS)
+        if unknown:
+            raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: {list(_ITEM_KEYS)}")
+        prompt, negative = item.get("prompt"), item.get("negative_prompt")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {prompt!r}")
+        if negative is not None and not isinstance(negative, str):
+            raise TypeError(f"negative_prompt must be a str or None, got {negative!r}")
+        image, mask = item.get("image"), item.get("mask")
+        images = None
+        if image is not None:
+            images = tuple(image) if isinstance(image, (list, tuple)) else (image,)
+            if not images or not all(isinstance(i, Image.Image) for i in images):
+                raise TypeError(f"image must be a PIL image or a list of them, got {image!r}")
+        if mask is not None and not isinstance(mask, Image.Image):
+            raise TypeError(f"mask must be a PIL image, got {mask!r}")
+        if mask is not None and images is None:
+            raise ValueError("a mask needs an image to inpaint")
+        out.append(PromptItem(prompt, negative, images, mask))
+    return out
+
+
+def variant_for(pipeline: Any, item: PromptItem) -> str | None:
+    """Which pipeline runs ``item``: None for the served one (no image, or a pipeline
+    whose ``__call__`` takes the image itself: Qwen-Image-Edit, FLUX.1-Kontext,
+    image-to-video), ``"image2image"``, or with a mask ``"inpaint"``."""
+    if item.images is None:
+        return None
+    params = inspect.signature(pipeline.__call__).parameters
+    if "image" in params and (item.mask is None or "mask_image" in params):
+        return None
+    return "inpaint" if item.mask is not None else "image2image"
 
 
 def shift_key(scheduler: Any) -> str | None:
@@ -114,8 +201,8 @@ class _ConfigView:
         return getattr(self._pipeline, name)
 
 
-def check_request(pipeline: Any, own_config: Mapping[str, Any], prompt: str,
-                  negative: str | None, kwargs: Mapping[str, Any], params: SamplingParams) -> None:
+def check_request(pipeline: Any, own_config: Mapping[str, Any], item: PromptItem,
+                  kwargs: Mapping[str, Any], params: SamplingParams) -> None:
     """Run the pipeline's own ``check_inputs`` on this request, without running it.
 
     The pipeline is seen with its own config (``own_config``, as loaded) and this
@@ -127,7 +214,8 @@ def check_request(pipeline: Any, own_config: Mapping[str, Any], prompt: str,
     check = getattr(type(pipeline), "check_inputs", None)
     if check is None:
         return
-    values = {"prompt": prompt, "negative_prompt": negative, **kwargs}
+    values = {"prompt": item.prompt, "negative_prompt": item.negative, **kwargs,
+              **item.images_kwargs()}
     args: dict[str, Any] = {}
     for name, param in inspect.signature(check).parameters.items():
         if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):

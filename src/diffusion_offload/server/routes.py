@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import secrets
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -86,8 +88,9 @@ def _check_with_engine(engine: Any, prompt: Any, params: Any) -> None:
 
 
 def _params(state: BaseServerState, req: Any, values: dict[str, Any], text: bool,
-            **fields: Any) -> Any:
-    """``SamplingParams`` of a validated request: its resolved values, knobs and seed."""
+            limits: Any = None, **fields: Any) -> Any:
+    """``SamplingParams`` of a validated request: its resolved values, knobs (checked
+    against ``limits``' knob table, default the server's) and seed."""
     from ..engine.params import SamplingParams
 
     return SamplingParams(
@@ -98,7 +101,7 @@ def _params(state: BaseServerState, req: Any, values: dict[str, Any], text: bool
         seed=req.seed if req.seed is not None else random_seed(),
         flow_shift=req.flow_shift,
         boundary_ratio=req.boundary_ratio,
-        extra=pipeline_kwargs(req, state.limits, text=text) or None,
+        extra=pipeline_kwargs(req, limits or state.limits, text=text) or None,
         **fields,
     )
 
@@ -260,6 +263,13 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             req = ImageGenerationRequest.model_validate_json(await request.body(), strict=True)
         except ValidationError as exc:
             raise validation_error(exc) from None
+        return await run_images(request, req, _prompt_item(req), state.limits, text=False)
+
+    async def run_images(request: Request, req: Any, prompt: Any, limits: Any,
+                         text: bool) -> Any:
+        """Check, queue and answer an images request (generations and edits); ``limits``
+        carries the knob table of the pipeline that runs it, ``text`` says the values
+        come from a form."""
         engine = state.require_engine()
         _check_model(state, req.model)
         if engine.is_video:
@@ -272,8 +282,8 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         values = _resolve(state, req, video=False)
         check_limits(req, state.limits, values)
         n = req.n or 1
-        params = _params(state, req, values, text=False, num_outputs_per_prompt=n)
-        prompt = _prompt_item(req)
+        params = _params(state, req, values, text=text, limits=limits,
+                         num_outputs_per_prompt=n)
         _check_with_engine(engine, prompt, params)
         fmt = req.output_format or "png"
         as_url = req.response_format == "url"  # kept like a video job, served below
@@ -295,6 +305,82 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                      "revised_prompt": None} for image in images]
         body = {"created": int(time.time()), "data": data, "output_format": fmt}
         return JSONResponse(body, headers=headers) if headers else body
+
+    @app.post("/v1/images/edits")
+    async def images_edits(request: Request) -> Any:
+        """Edit the uploaded ``image`` (one or more; with a ``mask``, inpaint it): the
+        served pipeline's image-to-image or inpainting variant, or an edit model itself."""
+        from .uploads import decode_upload
+
+        media = _media_type(request)
+        if media != _MULTIPART:
+            raise _wrong_content_type(media, (_MULTIPART,))
+        form = await request.form()
+        try:
+            fields: dict[str, Any] = {}
+            files: dict[str, list[bytes]] = {}
+            for key, value in form.multi_items():
+                name = key.removesuffix("[]")
+                if isinstance(value, str):
+                    fields.setdefault(name, []).append(value)
+                else:
+                    files.setdefault(name, []).append(await value.read())
+        finally:
+            await form.close()
+        unknown_files = set(files) - {"image", "mask"}
+        if unknown_files:
+            name = sorted(unknown_files)[0]
+            raise APIError(400, f"Invalid type for '{name}': only 'image' and 'mask' take files.",
+                           param=name, code="invalid_type")
+        repeated = [k for k, v in fields.items() if len(v) > 1]
+        if repeated:
+            raise APIError(400, f"Invalid value for '{repeated[0]}': the field is given more "
+                                "than once.", param=repeated[0], code="invalid_value")
+        if "image" in fields or "mask" in fields:
+            name = "image" if "image" in fields else "mask"
+            raise APIError(400, f"Invalid type for '{name}': send an image file (PNG, JPEG or "
+                                "WebP), not text.", param=name, code="invalid_type")
+        if not files.get("image"):
+            raise APIError(400, "Missing required parameter: 'image'.", param="image",
+                           code="missing_required_parameter")
+        if len(files.get("mask", [])) > 1:
+            raise APIError(400, "Invalid value for 'mask': give one mask.", param="mask",
+                           code="invalid_value")
+        try:
+            req = ImageGenerationRequest.model_validate(
+                _form_json({k: v[0] for k, v in fields.items()}), strict=False)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        engine = state.require_engine()
+        max_pixels = state.limits.max_pixels
+        images = [decode_upload("image", data, max_pixels) for data in files["image"]]
+        mask = files.get("mask")
+        mask_image = decode_upload("mask", mask[0], max_pixels, mode="L") if mask else None
+        if mask_image is not None and mask_image.size != images[0].size:
+            raise APIError(400, f"Invalid value for 'mask': it is {mask_image.size[0]}x"
+                                f"{mask_image.size[1]}, the image {images[0].size[0]}x"
+                                f"{images[0].size[1]}; they must be the same size.",
+                           param="mask", code="invalid_value")
+        knobs_for = getattr(engine, "knobs_for", None)
+        if knobs_for is None:
+            raise APIError(400, "This server's engine cannot edit images.", param="image",
+                           code="unsupported_model")
+        try:
+            knobs, refused = await asyncio.to_thread(knobs_for, mask_image is not None)
+        except ValueError as exc:
+            raise APIError(400, f"Invalid request: {exc}.", param="image",
+                           code="unsupported_model") from None
+        if req.dimensions is None:  # an edit keeps the image's size (a multiple of the model's)
+            m = state.limits.size_multiple
+            width, height = images[0].size
+            req = req.model_copy(update={"width": max(m, width - width % m),
+                                         "height": max(m, height - height % m)})
+        prompt = {**({"prompt": req.prompt, "negative_prompt": req.negative_prompt}
+                     if req.negative_prompt is not None else {"prompt": req.prompt}),
+                  "image": images if len(images) > 1 else images[0],
+                  **({"mask": mask_image} if mask_image is not None else {})}
+        return await run_images(request, req, prompt,
+                                replace(state.limits, knobs=knobs, refused=refused), text=True)
 
     @app.get("/v1/images/{image_id}/{index}.{ext}", name="image_file")
     async def image_file(image_id: str, index: int, ext: str) -> Response:
