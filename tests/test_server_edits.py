@@ -13,6 +13,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -139,3 +140,39 @@ def test_edits_under_module_and_layer_offload_equal_resident_sharing_weights(flu
                 assert (engine.stats.pinned_bytes, engine.stats.pageable_host_bytes) == before
     for name in ("module", "layer"):
         assert all(np.array_equal(x, y) for x, y in zip(outputs["resident"], outputs[name])), name
+
+
+def test_openai_chat_completions_returns_images_and_edits(flux: Server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{flux.url}/v1", api_key=KEY, max_retries=0)
+    extra = {"seed": 3, "num_inference_steps": 2, "size": "32x32", "n": 2}
+    r = client.chat.completions.create(model="tiny", messages=[
+        {"role": "system", "content": "you draw"}, {"role": "user", "content": "a red car"}],
+        temperature=0.7, extra_body=extra)
+    parts = r.choices[0].message.content
+    assert [p["type"] for p in parts] == ["image_url", "image_url"]
+    urls = [p["image_url"]["url"] for p in parts]
+    assert all(u.startswith("data:image/png;base64,") for u in urls)
+    with flux.client() as c:
+        same = c.post("/v1/images/generations", json={"prompt": "a red car", **extra}).json()
+    assert [u.split(",", 1)[1] for u in urls] == [d["b64_json"] for d in same["data"]]
+    # an image part in the last user message makes it an edit
+    data_url = "data:image/png;base64," + base64.b64encode(encoded(picture())).decode()
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a red car"}, {"type": "image_url", "image_url": {"url": data_url}}]}],
+        extra_body={"seed": 3, "num_inference_steps": 2, "strength": 0.9})
+    edited = base64.b64decode(r.choices[0].message.content[0]["image_url"]["url"].split(",", 1)[1])
+    params = SamplingParams(height=32, width=32, num_inference_steps=2, seed=3, extra={"strength": 0.9})
+    alone = flux.engine.generate({"prompt": "a red car", "image": picture()}, params)[0].images[0]
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(edited))), np.asarray(alone))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="dall-e-3", messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+    assert "data URL" in err.value.body["message"]
+    with flux.client() as c:
+        r = httpx.post(f"{flux.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 401  # the same auth as images

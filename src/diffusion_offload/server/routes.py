@@ -266,10 +266,11 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         return await run_images(request, req, _prompt_item(req), state.limits, text=False)
 
     async def run_images(request: Request, req: Any, prompt: Any, limits: Any,
-                         text: bool) -> Any:
-        """Check, queue and answer an images request (generations and edits); ``limits``
-        carries the knob table of the pipeline that runs it, ``text`` says the values
-        come from a form."""
+                         text: bool, answer: Any = None) -> Any:
+        """Check, queue and answer an images request (generations, edits, chat);
+        ``limits`` carries the knob table of the pipeline that runs it, ``text`` says the
+        values come from a form; ``answer(images, fmt, headers)`` builds the response
+        (default: OpenAI's images response)."""
         engine = state.require_engine()
         _check_model(state, req.model)
         if engine.is_video:
@@ -295,6 +296,8 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         except ClientGone:
             return Response(status_code=499)  # nobody is listening
         headers = state.response_headers(job)
+        if answer is not None:
+            return answer(images, fmt, headers)
         if req.response_format == "file":
             return Response(images[0], media_type=_IMAGE_TYPES[fmt], headers=headers)
         if as_url:
@@ -305,6 +308,31 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                      "revised_prompt": None} for image in images]
         body = {"created": int(time.time()), "data": data, "output_format": fmt}
         return JSONResponse(body, headers=headers) if headers else body
+
+    async def edit_prompt(req: Any, images: list[Any], mask_image: Any) -> tuple[Any, Any, Any]:
+        """``(req, prompt, limits)`` of an edit: the size defaults to the image's (rounded
+        down to the model's multiple), the knobs are the edit pipeline's."""
+        engine = state.require_engine()
+        knobs_for = getattr(engine, "knobs_for", None)
+        if knobs_for is None:
+            raise APIError(400, "This server's engine cannot edit images.", param="image",
+                           code="unsupported_model")
+        try:
+            knobs, refused = await asyncio.to_thread(knobs_for, mask_image is not None)
+        except ValueError as exc:
+            raise APIError(400, f"Invalid request: {exc}.", param="image",
+                           code="unsupported_model") from None
+        if req.dimensions is None:  # an edit keeps the image's size (a multiple of the model's)
+            m = state.limits.size_multiple
+            width, height = images[0].size
+            req = req.model_copy(update={"width": max(m, width - width % m),
+                                         "height": max(m, height - height % m)})
+        prompt = {"prompt": req.prompt, "image": images if len(images) > 1 else images[0]}
+        if req.negative_prompt is not None:
+            prompt["negative_prompt"] = req.negative_prompt
+        if mask_image is not None:
+            prompt["mask"] = mask_image
+        return req, prompt, replace(state.limits, knobs=knobs, refused=refused)
 
     @app.post("/v1/images/edits")
     async def images_edits(request: Request) -> Any:
@@ -351,7 +379,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                 _form_json({k: v[0] for k, v in fields.items()}), strict=False)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        engine = state.require_engine()
+        state.require_engine()
         max_pixels = state.limits.max_pixels
         images = [decode_upload("image", data, max_pixels) for data in files["image"]]
         mask = files.get("mask")
@@ -361,26 +389,39 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                                 f"{mask_image.size[1]}, the image {images[0].size[0]}x"
                                 f"{images[0].size[1]}; they must be the same size.",
                            param="mask", code="invalid_value")
-        knobs_for = getattr(engine, "knobs_for", None)
-        if knobs_for is None:
-            raise APIError(400, "This server's engine cannot edit images.", param="image",
-                           code="unsupported_model")
+        req, prompt, limits = await edit_prompt(req, images, mask_image)
+        return await run_images(request, req, prompt, limits, text=True)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        """vLLM-Omni's text-to-image chat: the last user message is the prompt (an image
+        part makes it an edit); the knobs come in the body (the SDK's ``extra_body``)."""
+        from .chat import chat_completion, chat_request
+        from .uploads import decode_upload
+
+        media = _media_type(request)
+        if media != _JSON:
+            raise _wrong_content_type(media, (_JSON,))
         try:
-            knobs, refused = await asyncio.to_thread(knobs_for, mask_image is not None)
+            body = json.loads(await request.body())
         except ValueError as exc:
-            raise APIError(400, f"Invalid request: {exc}.", param="image",
-                           code="unsupported_model") from None
-        if req.dimensions is None:  # an edit keeps the image's size (a multiple of the model's)
-            m = state.limits.size_multiple
-            width, height = images[0].size
-            req = req.model_copy(update={"width": max(m, width - width % m),
-                                         "height": max(m, height - height % m)})
-        prompt = {**({"prompt": req.prompt, "negative_prompt": req.negative_prompt}
-                     if req.negative_prompt is not None else {"prompt": req.prompt}),
-                  "image": images if len(images) > 1 else images[0],
-                  **({"mask": mask_image} if mask_image is not None else {})}
-        return await run_images(request, req, prompt,
-                                replace(state.limits, knobs=knobs, refused=refused), text=True)
+            raise APIError(400, f"We could not parse the JSON body of your request: {exc}",
+                           code="invalid_json") from None
+        fields, uploads = chat_request(body)
+        try:
+            req = ImageGenerationRequest.model_validate(fields, strict=True)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        state.require_engine()
+        prompt, limits = _prompt_item(req), state.limits
+        if uploads:
+            images = [decode_upload("image", data, state.limits.max_pixels) for data in uploads]
+            req, prompt, limits = await edit_prompt(req, images, None)
+
+        def answer(images: list[bytes], fmt: str, headers: dict[str, str]) -> Any:
+            return JSONResponse(chat_completion(settings.model_id, images, fmt), headers=headers)
+
+        return await run_images(request, req, prompt, limits, text=False, answer=answer)
 
     @app.get("/v1/images/{image_id}/{index}.{ext}", name="image_file")
     async def image_file(image_id: str, index: int, ext: str) -> Response:
