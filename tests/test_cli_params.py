@@ -50,3 +50,32 @@ def test_bad_param_is_one_line_exit_2(flux: Path, tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("diffusion-offload: error: ") and message in err[0], err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_image_and_mask_edit_like_the_engine(flux: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from diffusion_offload.engine import Omni, SamplingParams
+
+    picture = Image.fromarray((np.arange(16 * 16 * 3).reshape(16, 16, 3) * 5 % 251).astype("uint8"))
+    mask = Image.new("L", (16, 16), 0)
+    mask.paste(255, (4, 4, 12, 12))
+    picture.save(tmp_path / "in.png")
+    mask.save(tmp_path / "mask.png")
+    steps = ["--param", "strength=0.9", "--steps", "2"]
+    assert _generate(flux, tmp_path / "edit.png", "--image", str(tmp_path / "in.png"), *steps) == 0
+    assert _generate(flux, tmp_path / "inpaint.png", "--image", str(tmp_path / "in.png"),
+                     "--mask", str(tmp_path / "mask.png"), *steps) == 0
+    params = SamplingParams(height=16, width=16, num_inference_steps=2, seed=0, extra={"strength": 0.9})
+    with Omni(str(flux), device="cpu", progress=False) as engine:
+        for name, item in (("edit", {"image": picture}), ("inpaint", {"image": picture, "mask": mask})):
+            alone = engine.generate({"prompt": "a red fox running through fresh snow", **item}, params)[0].images[0]
+            got = np.asarray(Image.open(tmp_path / f"{name}.png"))
+            assert np.array_equal(got, np.asarray(alone)), name
+    capsys.readouterr()
+    assert _generate(flux, tmp_path / "x.png", "--mask", str(tmp_path / "mask.png")) == 2
+    assert "--mask needs --image" in capsys.readouterr().err
+    assert _generate(flux, tmp_path / "x.png", "--image", str(tmp_path / "nope.png")) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -18,6 +18,7 @@ does not fit can be shown without a real GPU.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -56,6 +57,8 @@ _REQUEST_ARGS = {
     "seed": ("seed", "--seed"),
     "fps": ("fps", "--fps"),
     "params": ("param", "--param"),
+    "image": ("image", "--image"),
+    "mask": ("mask", "--mask"),
     "device": ("device", "--device"),
     "dtype": ("dtype", "--dtype"),
     "max_pinned_bytes": ("max_pinned_memory", "--max-pinned-memory"),
@@ -199,9 +202,32 @@ _PARAM_FIELDS = ("flow_shift", "boundary_ratio", "guidance_scale_2")
 """``--param`` names that are ``SamplingParams`` fields rather than ``__call__`` arguments."""
 
 
-def _param_args(items: list[str], pipeline_class: str, steps: int | None) -> dict[str, Any]:
+def _edit_class(pipeline_class: str, edit: str | None) -> Any:
+    """The diffusers class that runs the request: the model's, or with ``--image`` (and
+    ``--mask``) its image-to-image (inpainting) variant, as ``Omni`` picks it."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class)
+    params = inspect.signature(cls.__call__).parameters
+    if edit is None or ("image" in params and (edit == "image" or "mask_image" in params)):
+        return cls
+    from diffusers.pipelines import auto_pipeline
+
+    mapping = (auto_pipeline.AUTO_INPAINT_PIPELINES_MAPPING if edit == "mask"
+               else auto_pipeline.AUTO_IMAGE2IMAGE_PIPELINES_MAPPING)
+    try:
+        return auto_pipeline._get_task_class(mapping, pipeline_class)
+    except ValueError:
+        what = "inpainting" if edit == "mask" else "image-to-image"
+        raise CliError(f"--{edit}: {pipeline_class} has no {what} variant in diffusers, so it "
+                       "cannot edit images") from None
+
+
+def _param_args(items: list[str], pipeline_class: str, steps: int | None,
+                edit: str | None = None) -> dict[str, Any]:
     """``--param NAME=VALUE`` pairs as ``SamplingParams`` fields (``extra`` for the
-    ``__call__`` knobs), each checked by ``engine.knobs`` before any weight is read.
+    ``__call__`` knobs), each checked by ``engine.knobs`` before any weight is read,
+    against the pipeline that runs the request (``edit``: ``"image"`` or ``"mask"``).
 
     Raises:
         CliError: not ``NAME=VALUE``, a name given twice, one the pipeline does not take
@@ -209,11 +235,11 @@ def _param_args(items: list[str], pipeline_class: str, steps: int | None) -> dic
     """
     if not items:
         return {}
-    import diffusers
-
     from .engine.knobs import Knob, KnobError, check_knob, knob_table, refusal
 
-    knobs, refused = knob_table(getattr(diffusers, pipeline_class).__call__)
+    cls = _edit_class(pipeline_class, edit)
+    pipeline_class = cls.__name__
+    knobs, refused = knob_table(cls.__call__)
     fields: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for item in items:
@@ -244,6 +270,31 @@ def _param_args(items: list[str], pipeline_class: str, steps: int | None) -> dic
         except KnobError as exc:
             raise CliError(f"--param {name}: {exc}") from None
     return {**fields, **({"extra": extra} if extra else {})}
+
+
+def _image_args(image: str | None, mask: str | None) -> dict[str, Any]:
+    """``--image``/``--mask`` as the ``image``/``mask`` of ``Omni.generate``'s prompt,
+    read before any weight is (EXIF orientation applied; the mask in grey levels).
+
+    Raises:
+        CliError: a mask without an image, or a file that is not a PNG, JPEG or WebP.
+    """
+    if mask is not None and image is None:
+        raise CliError("--mask needs --image (the image to inpaint)")
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    out: dict[str, Any] = {}
+    for flag, key, path, mode in (("--image", "image", image, "RGB"), ("--mask", "mask", mask, "L")):
+        if path is None:
+            continue
+        try:
+            with Image.open(path, formats=["PNG", "JPEG", "WEBP"]) as opened:
+                out[key] = ImageOps.exif_transpose(opened).convert(mode)
+        except FileNotFoundError:
+            raise CliError(f"{flag} {path!r}: no such file") from None
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise CliError(f"{flag} {path!r}: not a PNG, JPEG or WebP image ({exc})") from None
+    return out
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -304,7 +355,9 @@ def _generate(args: argparse.Namespace) -> int:
     seed = 0 if args.seed is None else args.seed
     fps = (args.fps or DEFAULT_FPS) if info.is_video else None
     prompt_text = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    knobs = _param_args(args.param or [], info.pipeline_class, values.get("num_inference_steps"))
+    images = _image_args(args.image, args.mask)
+    knobs = _param_args(args.param or [], info.pipeline_class, values.get("num_inference_steps"),
+                        edit="mask" if args.mask else ("image" if args.image else None))
     try:
         device = pick_device(args.device)  # picked once: its log line is said once
         params = SamplingParams(seed=seed, fps=fps, guidance_scale=args.guidance_scale, **values,
@@ -333,6 +386,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt: Any = prompt_text
         if args.negative_prompt is not None:
             prompt = {"prompt": prompt_text, "negative_prompt": args.negative_prompt}
+        if images:
+            prompt = {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), **images}
         try:
             result = engine.generate(prompt, params)[0]
         except ValueError as exc:  # the pipeline's own input checks
@@ -373,6 +428,8 @@ def _generate(args: argparse.Namespace) -> int:
                 "device_memory_budget": getattr(engine, "device_memory_budget", None),
                 "guidance_scale": args.guidance_scale,
                 "params": list(args.param) if args.param else None,
+                "image": str(Path(args.image).resolve()) if args.image else None,
+                "mask": str(Path(args.mask).resolve()) if args.mask else None,
                 "loras": [list(lora) for lora in args.lora or ()] or None,
                 "output": str(out_path),
             },

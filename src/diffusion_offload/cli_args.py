@@ -467,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default: the embedded tiny Wan2.2, built on first use)")
     gen.add_argument("--prompt", help=f"the text prompt (default: {DEFAULT_PROMPT!r})")
     gen.add_argument("--negative-prompt", help="what to avoid (default: none)")
+    gen.add_argument("--image", metavar="PATH",
+                     help="an image to edit (PNG, JPEG or WebP): image-to-image with the "
+                          "model's variant, or the model itself for edit and image-to-video "
+                          "models; --param strength=0.8 sets how much changes")
+    gen.add_argument("--mask", metavar="PATH",
+                     help="with --image: inpaint where the mask is white")
     gen.add_argument("--output", metavar="FILE",
                      help=".png for image models, .mp4 or .gif for video models "
                           "(default: output.mp4 or output.png)")
