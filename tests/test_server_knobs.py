@@ -308,3 +308,17 @@ def test_default_limits_admit_openai_sizes_and_12_seconds() -> None:
 
     assert frames_for_seconds(12, 16, 4) == 193
     assert default_max_frames(ServerSettings(model_id="m", max_frames=9), 4) == 9
+
+
+def test_input_reference_on_a_text_to_video_model_gives_the_reason(wan22: Server) -> None:
+    import openai
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, format="PNG")
+    client = openai.OpenAI(base_url=f"{wan22.url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(model="tiny", prompt="a cat", size="32x32",
+                             input_reference=("ref.png", buf.getvalue(), "image/png"))
+    body = err.value.body
+    assert body["param"] == "input_reference"
+    assert "makes videos from text only" in body["message"] and "WanImageToVideoPipeline" in body["message"]

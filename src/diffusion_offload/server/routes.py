@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import json
 import logging
 import secrets
@@ -455,13 +456,18 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         """Queue a video job; poll ``GET /v1/videos/{id}``."""
         media = _media_type(request)
         is_form = media in (_MULTIPART, _URLENCODED)
+        reference: list[bytes] = []  # input_reference, uploaded in a multipart form
         try:
             if media == _JSON:
                 req = VideoGenerationRequest.model_validate_json(await request.body(), strict=True)
             elif is_form:
                 form = await request.form()
                 try:
-                    data = form_to_dict(list(form.multi_items()))
+                    items = list(form.multi_items())
+                    refs = [v for k, v in items if k == "input_reference" and not isinstance(v, str)]
+                    reference = [await ref.read() for ref in refs]
+                    data = form_to_dict([(k, v) for k, v in items
+                                         if not (k == "input_reference" and not isinstance(v, str))])
                 finally:
                     await form.close()
                 req = VideoGenerationRequest.model_validate(_form_json(data), strict=False)
@@ -484,12 +490,36 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         params = _params(state, req, values, text=is_form, num_frames=values["num_frames"],
                          fps=req.fps, guidance_scale_2=req.guidance_scale_2)
         prompt = _prompt_item(req)
+        if reference:
+            prompt = await reference_prompt(engine, req, reference)
         _check_with_engine(engine, prompt, params)
         job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size,
                                    seconds=req.seconds), store=True)
         body = state.video_object(job, status=QUEUED)
         await state.submit_job(job)
         return body
+
+    async def reference_prompt(engine: Any, req: Any, files: list[bytes]) -> dict[str, Any]:
+        """The prompt item of an image-to-video request: ``input_reference`` decoded
+        (:mod:`.uploads`) for a model whose pipeline takes an ``image``; a 400 otherwise."""
+        from .uploads import decode_upload
+
+        if len(files) > 1:
+            raise APIError(400, "Invalid value for 'input_reference': give one image.",
+                           param="input_reference", code="invalid_value")
+        pipeline = getattr(engine, "pipeline", None)
+        takes = pipeline is not None and "image" in inspect.signature(pipeline.__call__).parameters
+        if not takes:
+            name = type(pipeline).__name__ if pipeline is not None else "this engine"
+            raise APIError(400, f"Invalid value for 'input_reference': {name} makes videos from "
+                                "text only; an image-to-video model (such as Wan2.2-I2V-A14B, "
+                                "WanImageToVideoPipeline) takes a reference image.",
+                           param="input_reference", code="unsupported_parameter")
+        image = decode_upload("input_reference", files[0], state.limits.max_pixels)
+        item = {"prompt": req.prompt, "image": image}
+        if req.negative_prompt is not None:
+            item["negative_prompt"] = req.negative_prompt
+        return item
 
     @app.get("/v1/videos")
     async def list_videos(request: Request) -> Any:
