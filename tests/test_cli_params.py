@@ -52,6 +52,7 @@ def test_bad_param_is_one_line_exit_2(flux: Path, tmp_path: Path, capsys: pytest
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.slow
 def test_image_and_mask_edit_like_the_engine(flux: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
     import numpy as np
