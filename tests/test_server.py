@@ -598,9 +598,9 @@ BAD_REQUESTS = [
         "image",
         "POST",
         IMG,
-        {"json": {"prompt": "a", "style": "vivid"}},
+        {"json": {"prompt": "a", "colour": "red"}},
         400,
-        "style",
+        "colour",
     ),
     (
         "video field on images",

@@ -18,6 +18,7 @@ does not fit can be shown without a real GPU.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -55,6 +56,9 @@ _REQUEST_ARGS = {
     "num_inference_steps": ("steps", "--steps"),
     "seed": ("seed", "--seed"),
     "fps": ("fps", "--fps"),
+    "params": ("param", "--param"),
+    "image": ("image", "--image"),
+    "mask": ("mask", "--mask"),
     "device": ("device", "--device"),
     "dtype": ("dtype", "--dtype"),
     "max_pinned_bytes": ("max_pinned_memory", "--max-pinned-memory"),
@@ -201,6 +205,105 @@ def _summary(output: Any, report: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- generate
 
 
+_PARAM_FIELDS = ("flow_shift", "boundary_ratio", "guidance_scale_2")
+"""``--param`` names that are ``SamplingParams`` fields rather than ``__call__`` arguments."""
+
+
+def _edit_class(pipeline_class: str, edit: str | None) -> Any:
+    """The diffusers class that runs the request: the model's, or with ``--image`` (and
+    ``--mask``) its image-to-image (inpainting) variant, as ``Omni`` picks it."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class)
+    params = inspect.signature(cls.__call__).parameters
+    if edit is None or ("image" in params and (edit == "image" or "mask_image" in params)):
+        return cls
+    from diffusers.pipelines import auto_pipeline
+
+    mapping = (auto_pipeline.AUTO_INPAINT_PIPELINES_MAPPING if edit == "mask"
+               else auto_pipeline.AUTO_IMAGE2IMAGE_PIPELINES_MAPPING)
+    try:
+        return auto_pipeline._get_task_class(mapping, pipeline_class)
+    except ValueError:
+        what = "inpainting" if edit == "mask" else "image-to-image"
+        raise CliError(f"--{edit}: {pipeline_class} has no {what} variant in diffusers, so it "
+                       "cannot edit images") from None
+
+
+def _param_args(items: list[str], pipeline_class: str, steps: int | None,
+                edit: str | None = None) -> dict[str, Any]:
+    """``--param NAME=VALUE`` pairs as ``SamplingParams`` fields (``extra`` for the
+    ``__call__`` knobs), each checked by ``engine.knobs`` before any weight is read,
+    against the pipeline that runs the request (``edit``: ``"image"`` or ``"mask"``).
+
+    Raises:
+        CliError: not ``NAME=VALUE``, a name given twice, one the pipeline does not take
+            (the message lists those it does), one the engine sets, or a bad value.
+    """
+    if not items:
+        return {}
+    from .engine.knobs import Knob, KnobError, check_knob, knob_table, refusal
+
+    cls = _edit_class(pipeline_class, edit)
+    pipeline_class = cls.__name__
+    knobs, refused = knob_table(cls.__call__)
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise CliError(f"--param {item!r}: write NAME=VALUE, e.g. --param true_cfg_scale=4")
+        if name in fields or name in extra:
+            raise CliError(f"--param {name}: given twice")
+        try:
+            if name in _PARAM_FIELDS:
+                fields[name] = check_knob(Knob(name, "float"), text, field=name, text=True)
+                continue
+            if name in refused:
+                raise refusal(name, refused[name])
+            if name not in knobs or name in ("negative_prompt", "height", "width", "num_frames",
+                                             "num_inference_steps", "guidance_scale"):
+                own = {"negative_prompt": "--negative-prompt", "height": "--height",
+                       "width": "--width", "num_frames": "--num-frames",
+                       "num_inference_steps": "--steps", "guidance_scale": "--guidance-scale"}
+                if name in own:
+                    raise KnobError(name, f"give {name} as {own[name]}")
+                taken = sorted(set(knobs) - set(own)) + list(_PARAM_FIELDS)
+                raise KnobError(name, f"{pipeline_class} takes no {name!r}; it takes: "
+                                      f"{', '.join(taken)}")
+            extra[name] = check_knob(knobs[name], text, field=name, text=True,
+                                     max_items=(steps or 1000) + 1)
+        except KnobError as exc:
+            raise CliError(f"--param {name}: {exc}") from None
+    return {**fields, **({"extra": extra} if extra else {})}
+
+
+def _image_args(image: str | None, mask: str | None) -> dict[str, Any]:
+    """``--image``/``--mask`` as the ``image``/``mask`` of ``Omni.generate``'s prompt,
+    read before any weight is (EXIF orientation applied; the mask in grey levels).
+
+    Raises:
+        CliError: a mask without an image, or a file that is not a PNG, JPEG or WebP.
+    """
+    if mask is not None and image is None:
+        raise CliError("--mask needs --image (the image to inpaint)")
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    out: dict[str, Any] = {}
+    for flag, key, path, mode in (("--image", "image", image, "RGB"), ("--mask", "mask", mask, "L")):
+        if path is None:
+            continue
+        try:
+            with Image.open(path, formats=["PNG", "JPEG", "WEBP"]) as opened:
+                out[key] = ImageOps.exif_transpose(opened).convert(mode)
+        except FileNotFoundError:
+            raise CliError(f"{flag} {path!r}: no such file") from None
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise CliError(f"{flag} {path!r}: not a PNG, JPEG or WebP image ({exc})") from None
+    return out
+
+
 def _generate(args: argparse.Namespace) -> int:
     _apply_report(args)
     config = parse_config_args(args)
@@ -259,9 +362,13 @@ def _generate(args: argparse.Namespace) -> int:
     seed = 0 if args.seed is None else args.seed
     fps = (args.fps or DEFAULT_FPS) if info.is_video else None
     prompt_text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    images = _image_args(args.image, args.mask)
+    knobs = _param_args(args.param or [], info.pipeline_class, values.get("num_inference_steps"),
+                        edit="mask" if args.mask else ("image" if args.image else None))
     try:
         device = pick_device(args.device)  # picked once: its log line is said once
-        params = SamplingParams(seed=seed, fps=fps, guidance_scale=args.guidance_scale, **values)
+        params = SamplingParams(seed=seed, fps=fps, guidance_scale=args.guidance_scale, **values,
+                                **knobs)
     except (TypeError, ValueError) as exc:
         raise CliError(f"--device: {exc}" if "device" in str(exc) else str(exc)) from None
     _apply_fake_capacity(args.device)
@@ -288,6 +395,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt: Any = prompt_text
         if args.negative_prompt is not None:
             prompt = {"prompt": prompt_text, "negative_prompt": args.negative_prompt}
+        if images:
+            prompt = {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), **images}
         try:
             result = engine.generate(prompt, params)[0]
         except ValueError as exc:  # the pipeline's own input checks
@@ -329,6 +438,9 @@ def _generate(args: argparse.Namespace) -> int:
                 # "auto" as measured, so --from-report replays what ran
                 "host_memory_budget": getattr(engine, "host_memory_budget", None),
                 "guidance_scale": args.guidance_scale,
+                "params": list(args.param) if args.param else None,
+                "image": str(Path(args.image).resolve()) if args.image else None,
+                "mask": str(Path(args.mask).resolve()) if args.mask else None,
                 "loras": [list(lora) for lora in args.lora or ()] or None,
                 "output": str(out_path),
             },

@@ -313,29 +313,45 @@ def parse_config_args(args: argparse.Namespace):
 # ---------------------------------------------------------------------- the parser
 
 SERVER_FIELDS = """\
-request fields (an omitted field takes the server's default; limits apply to the
-resolved value; unknown fields answer 400):
+request fields (an omitted or null field takes the server's default; limits apply to
+the resolved value; a field that is neither below nor a pipeline knob answers 400):
 
 POST /v1/images/generations (application/json):
-  prompt               text, required, 1-10000 characters
+  prompt               text, required, 1-32000 characters (the tokenizer truncates)
   model                must be the served model's id (optional)
   n                    images, 1-10 (default 1)
   size                 "WIDTHxHEIGHT" or "auto" (default: the model's; 32x32 for a
                        make-tiny model); width*height <= --max-pixels, each side a
                        multiple of the model's size multiple (VAE scale x patch size)
-  response_format      "b64_json" (default), or "url": a link to GET
-                       /v1/images/{id}/{i}.png here (same key), kept --job-ttl s
-  negative_prompt      text (default none)
+  width, height        instead of size (a size that disagrees is a 400)
+  response_format      "b64_json" (default); "url": a link to GET
+                       /v1/images/{id}/{i}.{format} here (same key), kept --job-ttl s;
+                       "file": the image bytes themselves (n = 1)
+  output_format        png (default), jpeg or webp
+  output_compression   0-100: the JPEG/WebP quality (default 100; PNG ignores it)
+  background           auto or opaque ("transparent" is a 400: opaque images only)
+  negative_prompt      text (default none); on FLUX it needs true_cfg_scale > 1,
+                       which defaults to 4.0 when a negative prompt is given
   num_inference_steps  1 to --max-steps (default: the model's; 2 for a make-tiny model)
   guidance_scale       0-1000 (default: the pipeline's)
+  flow_shift           0-1000, the scheduler's shift for this request
+  boundary_ratio       0-1, Wan2.2's expert switch for this request
   seed                 0 to 2**62 (default: random); image i uses seed + i
-  user                 accepted and ignored
+  extra_params         an object of further pipeline knobs
+  quality, style, moderation, safety_identifier, user, partial_images (0)
+                       accepted and ignored; stream true is a 400
+  pipeline knobs       every other argument of the pipeline's __call__ that JSON can
+                       carry (true_cfg_scale, max_sequence_length, sigmas...): numbers
+                       0-1000 (ints 0-4096, fractions 0-1), strings up to 32000
+                       characters, lists up to --max-steps + 1 items; what the server
+                       sets (output_type, generator, callbacks, num_images_per_prompt:
+                       use n, latents, prompt_embeds...) is a 400 naming it
 
-POST /v1/videos (application/json or multipart/form-data):
-  prompt, model, size, negative_prompt, num_inference_steps, guidance_scale, seed
-                       as above
+POST /v1/videos (application/json, multipart/form-data or x-www-form-urlencoded):
+  prompt, model, size, width, height, negative_prompt, num_inference_steps,
+  guidance_scale, flow_shift, boundary_ratio, seed, extra_params, knobs  as above
   seconds              OpenAI's duration: converted to frames at fps and rounded to
-                       a frame count the model accepts (Wan: 4k+1)
+                       a frame count the model accepts (Wan: 4k+1); echoed as given
   num_frames           1 to --max-frames (default: the model's; 5 for a make-tiny
                        model); give seconds or num_frames, not both
   fps                  1-240 (default 16)
@@ -470,6 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default: the embedded tiny Wan2.2, built on first use)")
     gen.add_argument("--prompt", help=f"the text prompt (default: {DEFAULT_PROMPT!r})")
     gen.add_argument("--negative-prompt", help="what to avoid (default: none)")
+    gen.add_argument("--image", metavar="PATH",
+                     help="an image to edit (PNG, JPEG or WebP): image-to-image with the "
+                          "model's variant, or the model itself for edit and image-to-video "
+                          "models; --param strength=0.8 sets how much changes")
+    gen.add_argument("--mask", metavar="PATH",
+                     help="with --image: inpaint where the mask is white")
     gen.add_argument("--output", metavar="FILE",
                      help=".png for image models, .mp4 or .gif for video models "
                           "(default: output.mp4 or output.png)")
@@ -488,6 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="frames of a video (default: the model's; 5 for a make-tiny model)")
     gen.add_argument("--guidance-scale", type=_float(0.0), metavar="SCALE",
                      help="classifier-free guidance scale (default: the pipeline's)")
+    gen.add_argument("--param", action="append", metavar="NAME=VALUE", default=None,
+                     help="a pipeline knob by name, repeatable: any JSON-valued argument of "
+                          "the pipeline's __call__ (true_cfg_scale=4, max_sequence_length=256, "
+                          "sigmas=[1.0,0.5]), or flow_shift / boundary_ratio / guidance_scale_2; "
+                          "checked as serve checks request fields")
     gen.add_argument("--fps", type=_int("--fps", 1, 240), metavar="N",
                      help="frames per second of the written video (default: 16)")
     gen.add_argument("--report", metavar="FILE.json",
@@ -522,10 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "when bound to loopback, comma-separated (default: none)")
     srv.add_argument("--max-queue", type=_int("--max-queue", 1), default=32,
                      help="waiting jobs before 429 (default: 32)")
-    srv.add_argument("--max-pixels", type=_int("--max-pixels", 1), default=1024 * 1024,
-                     help="largest width*height a request may resolve to (default: 1048576)")
-    srv.add_argument("--max-frames", type=_int("--max-frames", 1), default=129,
-                     help="largest num_frames of a video job (default: 129)")
+    srv.add_argument("--max-pixels", type=_int("--max-pixels", 1), default=2_097_152,
+                     help="largest width*height a request may resolve to (default: 2097152, "
+                          "2 MP: OpenAI's 1792x1024 fits, 2048x2048 does not)")
+    srv.add_argument("--max-frames", type=_int("--max-frames", 1), default=None,
+                     help="largest num_frames of a video job (default: 12 s at 16 fps in "
+                          "frames the model accepts, 193 for Wan)")
     srv.add_argument("--max-steps", type=_int("--max-steps", 1), default=100,
                      help="largest num_inference_steps (default: 100)")
     srv.add_argument("--max-body-bytes", type=_int("--max-body-bytes", 1), default=1048576,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # numpy and PIL load on first encode, not when paths are chec
 
 __all__ = [
     "IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "check_output_path", "check_writable_folder",
-    "encode_png", "encode_video", "write_atomic",
+    "encode_image", "encode_png", "encode_video", "write_atomic",
 ]
 
 IMAGE_EXTENSIONS = (".png",)
@@ -87,6 +87,28 @@ def encode_png(image: "Image.Image") -> bytes:
     """PNG bytes of ``image``."""
     buf = io.BytesIO()
     image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def encode_image(image: "Image.Image", fmt: str = "png", compression: int | None = None) -> bytes:
+    """``image`` as ``png``, ``jpeg`` or ``webp`` bytes.
+
+    Args:
+        image: the image (RGB).
+        fmt: the format.
+        compression: OpenAI's ``output_compression``, 0-100: the JPEG and WebP quality
+            (None: 100, OpenAI's default); PNG is lossless and ignores it.
+
+    Raises:
+        ValueError: another format.
+    """
+    buf = io.BytesIO()
+    if fmt == "png":
+        image.save(buf, format="PNG")
+    elif fmt in ("jpeg", "webp"):
+        image.save(buf, format=fmt.upper(), quality=100 if compression is None else compression)
+    else:
+        raise ValueError(f"image format {fmt!r} is not allowed; allowed: png, jpeg, webp")
     return buf.getvalue()
 
 

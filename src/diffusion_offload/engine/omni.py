@@ -24,7 +24,11 @@ from ..core.tiers import auto_host_budget, check_budget
 from ..models.fit import Footprint, check_fit
 from ..models.caches import clear_method_caches
 from ..models.files import ModelInfo, inspect_model, resolve_model
+from .knobs import knob_table
 from .params import GenerationOutput, SamplingParams
+from .requests import (
+    PromptItem, call_kwargs, check_request, normalize_prompts, request_overrides, variant_for,
+)
 from .trace import TraceRecorder
 
 __all__ = ["Omni", "build_omni", "check_peft", "parse_dtype", "pick_device"]
@@ -145,34 +149,6 @@ class _StageTimer:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def _normalize_prompts(prompts: Any) -> list[tuple[str, str | None]]:
-    items = prompts if isinstance(prompts, list) else [prompts]
-    if not items:
-        raise ValueError("prompts must not be empty")
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            out.append((item, None))
-        elif isinstance(item, Mapping):
-            unknown = set(item) - {"prompt", "negative_prompt"}
-            if unknown:
-                raise ValueError(
-                    f"prompt dict has unknown keys {sorted(unknown)}; allowed: ['prompt', 'negative_prompt']"
-                )
-            prompt, negative = item.get("prompt"), item.get("negative_prompt")
-            if not isinstance(prompt, str):
-                raise TypeError(f"prompt must be a str, got {prompt!r}")
-            if negative is not None and not isinstance(negative, str):
-                raise TypeError(f"negative_prompt must be a str or None, got {negative!r}")
-            out.append((prompt, negative))
-        else:
-            raise TypeError(
-                f"prompts must be a str, a dict with 'prompt' and 'negative_prompt', or a list of "
-                f"them; got {item!r} ({type(item).__name__})"
-            )
-    return out
 
 
 class Omni:
@@ -340,6 +316,10 @@ class Omni:
                 if streamer is not None:  # layer mode: block spans on the component lanes
                     streamer.listeners.append(self.tracer.on_block)
         self._call_params = set(inspect.signature(self.pipeline.__call__).parameters)
+        self.knobs, self.refused_args = knob_table(self.pipeline.__call__)
+        self._own_config = dict(self.pipeline.config)  # check_request's view: never an override
+        self._variants: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {}
+        self._variant_lock = threading.Lock()
         self.load_seconds = time.perf_counter() - start
         self._load_reported = False
 
@@ -443,33 +423,88 @@ class Omni:
         """The engine's cumulative weight-move counters (zeros without offload)."""
         return self.backend.stats if self.backend is not None else TransferStats()
 
-    def _call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        mapping = {
-            "height": params.height,
-            "width": params.width,
-            "num_frames": params.num_frames,
-            "num_inference_steps": params.num_inference_steps,
-            "guidance_scale": params.guidance_scale,
-            "guidance_scale_2": params.guidance_scale_2,
-        }
-        kwargs = {}
-        for key, value in mapping.items():
-            if value is None:
-                continue
-            if key not in self._call_params:
+    def _pipeline_for(self, item: PromptItem) -> tuple[Any, dict[str, Any], dict[str, str]]:
+        """``(pipeline, knobs, refused)`` that runs ``item``: the served pipeline, or with
+        an image its image-to-image (with a mask, inpainting) variant, built once by
+        diffusers' ``from_pipe`` so that it shares every weight and the offload hooks."""
+        kind = variant_for(self.pipeline, item)
+        if kind is None:
+            return self.pipeline, self.knobs, self.refused_args
+        with self._variant_lock:  # built at most once, also from check_request's thread
+            return self._variant(kind)
+
+    def _variant(self, kind: str) -> tuple[Any, dict[str, Any], dict[str, str]]:
+        if kind not in self._variants:
+            from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+
+            auto = AutoPipelineForInpainting if kind == "inpaint" else AutoPipelineForImage2Image
+            what = "inpainting" if kind == "inpaint" else "image-to-image"
+            try:
+                variant = auto.from_pipe(self.pipeline)
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"{self.info.pipeline_class} has no {what} variant in diffusers, "
+                                 f"so it cannot edit images ({exc})") from None
+            base = self.pipeline
+            variant.set_progress_bar_config(**getattr(base, "_progress_bar_config", {}))
+            variant.progress_bar = lambda iterable=None, total=None: base.progress_bar(
+                iterable=iterable, total=total)  # the served pipeline's bar: progress reports
+            knobs, refused = knob_table(variant.__call__)
+            self._variants[kind] = (variant, knobs, refused)
+        return self._variants[kind]
+
+    def knobs_for(self, mask: bool) -> tuple[dict[str, Any], dict[str, str]]:
+        """``(knobs, refused)`` (``engine.knobs.knob_table``) of the pipeline that edits an
+        image (``mask``: inpaints it); builds its variant once if it needs one.
+
+        Raises:
+            ValueError: the served pipeline has no such variant.
+            RuntimeError: the engine was closed.
+        """
+        from PIL import Image
+
+        if self.pipeline is None:
+            raise RuntimeError("this Omni engine is closed; build a new one to generate")
+        probe = Image.new("RGB", (1, 1))
+        item = PromptItem("", images=(probe,), mask=probe if mask else None)
+        _, knobs, refused = self._pipeline_for(item)  # not under the lock: a running job
+        return knobs, refused
+
+    def _prepare(self, prompts: Any, params: SamplingParams) -> list[tuple[PromptItem, Any, dict]]:
+        items = normalize_prompts(prompts)
+        out = []
+        for item in items:
+            if item.negative is not None and "negative_prompt" not in self._call_params:
+                raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
+            pipe, knobs, refused = self._pipeline_for(item)
+            kwargs = call_kwargs(pipe, knobs, refused, params, item.negative is not None)
+            frames = kwargs.get("num_frames")
+            factor = getattr(self.pipeline, "vae_scale_factor_temporal", None)
+            if frames is not None and isinstance(factor, int) and factor > 1 and (frames - 1) % factor:
                 raise ValueError(
-                    f"SamplingParams.{key}={value!r} is not supported by "
-                    f"{self.info.pipeline_class} (it takes no {key!r})"
+                    f"SamplingParams.num_frames={frames} is not allowed by {self.info.pipeline_class}: "
+                    f"num_frames - 1 must be a multiple of {factor} (e.g. {frames - (frames - 1) % factor})"
                 )
-            kwargs[key] = value
-        frames = kwargs.get("num_frames")
-        factor = getattr(self.pipeline, "vae_scale_factor_temporal", None)
-        if frames is not None and isinstance(factor, int) and factor > 1 and (frames - 1) % factor:
-            raise ValueError(
-                f"SamplingParams.num_frames={frames} is not allowed by {self.info.pipeline_class}: "
-                f"num_frames - 1 must be a multiple of {factor} (e.g. {frames - (frames - 1) % factor})"
-            )
-        return kwargs
+            out.append((item, pipe, kwargs))
+        return out
+
+    def check_request(self, prompts: Any, sampling_params: SamplingParams | None = None) -> None:
+        """Check a request as ``generate`` would, and with the pipeline's own
+        ``check_inputs``, without running it (``serve`` calls this as a request arrives).
+
+        Thread-safe without the engine's lock: the pipeline is seen with its own config,
+        never a running request's ``boundary_ratio``.
+
+        Raises:
+            TypeError, ValueError: what ``generate`` would raise before running, or what
+                the pipeline's ``check_inputs`` raises (its message kept).
+            RuntimeError: the engine was closed.
+        """
+        if self.pipeline is None:
+            raise RuntimeError("this Omni engine is closed; build a new one to generate")
+        params = sampling_params or SamplingParams()
+        for item, pipe, kwargs in self._prepare(prompts, params):
+            own = self._own_config if pipe is self.pipeline else dict(pipe.config)
+            check_request(pipe, own, item, kwargs, params)
 
     # ------------------------------------------------------------------ API
 
@@ -481,9 +516,16 @@ class Omni:
         """Generate one output per prompt.
 
         Args:
-            prompts: a prompt string, a dict with ``prompt`` and ``negative_prompt``, or
-                a list of them.
-            sampling_params: ``SamplingParams``; None fields take the pipeline's defaults.
+            prompts: a prompt string, a dict with ``prompt`` and optionally
+                ``negative_prompt``, ``image`` (a PIL image or a list of them: an edit,
+                run by the pipeline itself when its ``__call__`` takes ``image``, else by
+                its image-to-image variant) and ``mask`` (a PIL image: the inpainting
+                variant), or a list of them.
+            sampling_params: ``SamplingParams``; None fields take the pipeline's defaults;
+                its ``flow_shift``/``boundary_ratio`` hold for this call only (the model's own
+                are restored after it, also when it raises). A negative prompt on a
+                pipeline that uses it only with ``true_cfg_scale > 1`` (FLUX) gets
+                ``true_cfg_scale`` 4.0 when unset (``engine.knobs.DEFAULT_TRUE_CFG_SCALE``).
 
         Returns:
             One ``GenerationOutput`` per prompt, in order.
@@ -497,16 +539,17 @@ class Omni:
         with self._lock:  # one request at a time: no thread evicts a component mid-forward
             if self.pipeline is None:
                 raise RuntimeError("this Omni engine is closed; build a new one to generate")
-            items = _normalize_prompts(prompts)
             params = sampling_params or SamplingParams()
-            kwargs = self._call_kwargs(params)
-            if any(neg is not None for _, neg in items) and "negative_prompt" not in self._call_params:
-                raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
-            return [self._run(prompt, negative, params, kwargs) for prompt, negative in items]
+            outputs = []
+            for item, pipe, kwargs in self._prepare(prompts, params):
+                with request_overrides(pipe, params):
+                    outputs.append(self._run(pipe, item, params, kwargs))
+            return outputs
 
     def _run(
-        self, prompt: str, negative: str | None, params: SamplingParams, kwargs: dict[str, Any]
+        self, pipe: Any, item: PromptItem, params: SamplingParams, kwargs: dict[str, Any]
     ) -> GenerationOutput:
+        prompt, negative = item.prompt, item.negative
         n = params.num_outputs_per_prompt or 1
         seed = params.seed or 0
         self.platform.reset_peak_memory()
@@ -519,10 +562,11 @@ class Omni:
             call = dict(kwargs)
             if negative is not None:
                 call["negative_prompt"] = negative
+            call.update(item.images_kwargs())
             generator = torch.Generator("cpu").manual_seed(seed + i)
             self._timer.reset()
             try:
-                result = self.pipeline(prompt=prompt, generator=generator, output_type="pil", **call)
+                result = pipe(prompt=prompt, generator=generator, output_type="pil", **call)
             except torch.OutOfMemoryError as exc:
                 raise torch.OutOfMemoryError(
                     f"device out of memory during stage {self._timer.stage!r}: {exc}"

@@ -26,6 +26,12 @@ class SamplingParams:
         seed: seed of the CPU generator; output ``i`` of a prompt uses ``seed + i``
             (default 0, so the same request gives the same output).
         num_outputs_per_prompt: images or videos per prompt (default 1).
+        flow_shift: the scheduler's shift for this request (``flow_shift`` of UniPC and
+            DPM, ``shift`` of FlowMatchEuler); the model's own afterwards.
+        boundary_ratio: Wan2.2's switch between its two experts, for this request.
+        extra: further ``__call__`` arguments by name (``true_cfg_scale``,
+            ``max_sequence_length``, ``sigmas``...), checked against the pipeline's
+            signature (``engine.knobs``).
     """
 
     height: int | None = None
@@ -37,13 +43,22 @@ class SamplingParams:
     guidance_scale_2: float | None = None
     seed: int | None = None
     num_outputs_per_prompt: int | None = None
+    flow_shift: float | None = None
+    boundary_ratio: float | None = None
+    extra: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if f.name in ("guidance_scale", "guidance_scale_2"):
+            if f.name == "extra":
+                if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                    raise TypeError(f"SamplingParams.extra must be a dict of argument names, got {value!r}")
+                continue
+            if f.name == "boundary_ratio" and not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                raise ValueError(f"SamplingParams.boundary_ratio must be from 0 to 1, got {value!r}")
+            if f.name in ("guidance_scale", "guidance_scale_2", "flow_shift", "boundary_ratio"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise TypeError(f"SamplingParams.{f.name} must be a number, got {value!r}")
                 if value < 0:

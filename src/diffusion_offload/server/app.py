@@ -7,10 +7,15 @@ Endpoints (OpenAI's shapes; every error is ``{"error": {"message", "type", "para
   no key is set, also gets the list of replicas).
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model, its id as given on the
   command line.
-- ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json}]}`` with PNGs, or
-  with ``response_format="url"`` ``data: [{url}]``, served by ``GET
-  /v1/images/{id}/{index}.png`` (kept like a video job: ``--job-ttl``, ``--max-stored-jobs``).
-- ``POST /v1/videos`` (JSON or multipart form) -> a queued video job; ``GET /v1/videos``,
+- ``POST /v1/images/generations`` (JSON): ``{created, data: [{b64_json, url: null,
+  revised_prompt: null}]}`` (PNG, or ``output_format`` jpeg/webp), with
+  ``response_format="url"`` ``data: [{url}]``, served by ``GET
+  /v1/images/{id}/{index}.{format}`` (kept like a video job: ``--job-ttl``,
+  ``--max-stored-jobs``), with ``"file"`` the image bytes.
+- ``POST /v1/images/edits`` (multipart: ``image``, optional ``mask``): the same answer, by
+  the model's image-to-image or inpainting variant (:mod:`.uploads` checks the files).
+- ``POST /v1/chat/completions`` (JSON): images as ``image_url`` parts (:mod:`.chat`).
+- ``POST /v1/videos`` (JSON, multipart or url-encoded form) -> a queued video job; ``GET /v1/videos``,
   ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (the mp4; 409 until
   completed), ``DELETE /v1/videos/{id}`` (cancel queued or running, the latter at its next
   step; delete finished).

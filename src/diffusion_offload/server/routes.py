@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import inspect
+import json
 import logging
 import secrets
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +26,7 @@ from .schemas import (
     VideoGenerationRequest,
     check_limits,
     form_to_dict,
+    pipeline_kwargs,
     validation_error,
 )
 from .middleware import key_matches
@@ -33,6 +38,7 @@ logger = logging.getLogger("diffusion_offload.server")
 
 _JSON = "application/json"
 _MULTIPART = "multipart/form-data"
+_URLENCODED = "application/x-www-form-urlencoded"
 
 
 def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
@@ -42,10 +48,10 @@ def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
 
     rules = state.rules
     defaults = dict(rules.defaults) if rules is not None else {}
-    width, height = req.dimensions or (defaults.get("width"), defaults.get("height"))
+    width, height = req.dimensions or (None, None)
     values: dict[str, Any] = {
-        "width": width,
-        "height": height,
+        "width": width if width is not None else defaults.get("width"),
+        "height": height if height is not None else defaults.get("height"),
         "num_inference_steps": req.num_inference_steps
         if req.num_inference_steps is not None
         else defaults.get("num_inference_steps"),
@@ -53,12 +59,71 @@ def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
     if video:
         if req.seconds is not None:
             fps = req.fps or DEFAULT_FPS
-            values["num_frames"] = frames_for_seconds(req.seconds, fps, state.limits.frame_step)
+            values["num_frames"] = frames_for_seconds(req.duration, fps, state.limits.frame_step)
         else:
             values["num_frames"] = (
                 req.num_frames if req.num_frames is not None else defaults.get("num_frames")
             )
     return values
+
+
+def _prompt_item(req: Any) -> Any:
+    """The engine's prompt item: the text, or ``{"prompt", "negative_prompt"}``."""
+    if req.negative_prompt is None:
+        return req.prompt
+    return {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
+
+
+def _check_with_engine(engine: Any, prompt: Any, params: Any) -> None:
+    """What the engine (and the pipeline's own ``check_inputs``) would refuse, as a 400
+    now; engines without ``check_request`` (test doubles, Ray's remote one) skip it."""
+    check = getattr(engine, "check_request", None)
+    if check is None:
+        return
+    try:
+        check(prompt, params)
+    except (TypeError, ValueError) as exc:
+        field = getattr(exc, "field", None)
+        message = str(exc) if field else f"Invalid request: the model refused it: {exc}"
+        raise APIError(400, message, param=field, code="invalid_value") from None
+
+
+def _params(state: BaseServerState, req: Any, values: dict[str, Any], text: bool,
+            limits: Any = None, **fields: Any) -> Any:
+    """``SamplingParams`` of a validated request: its resolved values, knobs (checked
+    against ``limits``' knob table, default the server's) and seed."""
+    from ..engine.params import SamplingParams
+
+    return SamplingParams(
+        height=values["height"],
+        width=values["width"],
+        num_inference_steps=values["num_inference_steps"],
+        guidance_scale=req.guidance_scale,
+        seed=req.seed if req.seed is not None else random_seed(),
+        flow_shift=req.flow_shift,
+        boundary_ratio=req.boundary_ratio,
+        extra=pipeline_kwargs(req, limits or state.limits, text=text) or None,
+        **fields,
+    )
+
+
+def _form_json(data: dict[str, Any]) -> dict[str, Any]:
+    """A form's ``extra_params``, sent as JSON text, decoded (an object is required)."""
+    text = data.get("extra_params")
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise APIError(400, "Invalid value for 'extra_params': a form sends it as a JSON "
+                                f"object, e.g. '{{\"true_cfg_scale\": 4.0}}', got {text[:80]!r}.",
+                           param="extra_params", code="invalid_value")
+        data = {**data, "extra_params": value}
+    return data
+
+
+_IMAGE_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -191,9 +256,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Any:
-        """Generate ``n`` PNG images; answers when they are done."""
-        from ..engine.params import SamplingParams
-
+        """Generate ``n`` images (PNG, or ``output_format``); answers when they are done."""
         media = _media_type(request)
         if media != _JSON:
             raise _wrong_content_type(media, (_JSON,))
@@ -201,6 +264,14 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             req = ImageGenerationRequest.model_validate_json(await request.body(), strict=True)
         except ValidationError as exc:
             raise validation_error(exc) from None
+        return await run_images(request, req, _prompt_item(req), state.limits, text=False)
+
+    async def run_images(request: Request, req: Any, prompt: Any, limits: Any,
+                         text: bool, answer: Any = None) -> Any:
+        """Check, queue and answer an images request (generations, edits, chat);
+        ``limits`` carries the knob table of the pipeline that runs it, ``text`` says the
+        values come from a form; ``answer(images, fmt, headers)`` builds the response
+        (default: OpenAI's images response)."""
         engine = state.require_engine()
         _check_model(state, req.model)
         if engine.is_video:
@@ -213,44 +284,158 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         values = _resolve(state, req, video=False)
         check_limits(req, state.limits, values)
         n = req.n or 1
-        params = SamplingParams(
-            height=values["height"],
-            width=values["width"],
-            num_inference_steps=values["num_inference_steps"],
-            guidance_scale=req.guidance_scale,
-            seed=req.seed if req.seed is not None else random_seed(),
-            num_outputs_per_prompt=n,
-        )
-        prompt = (
-            req.prompt
-            if req.negative_prompt is None
-            else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
-        )
+        params = _params(state, req, values, text=text, limits=limits,
+                         num_outputs_per_prompt=n)
+        _check_with_engine(engine, prompt, params)
+        fmt = req.output_format or "png"
         as_url = req.response_format == "url"  # kept like a video job, served below
-        job = Job("image", JobSpec(prompt, params, size=req.size), store=as_url)
+        spec = JobSpec(prompt, params, size=req.size, image_format=fmt,
+                       compression=req.output_compression)
+        job = Job("image", spec, store=as_url)
         try:
-            pngs = await state.run_and_wait(job, lambda: _wait_disconnect(request))
+            images = await state.run_and_wait(job, lambda: _wait_disconnect(request))
         except ClientGone:
             return Response(status_code=499)  # nobody is listening
-        if as_url:
-            data = [{"url": str(request.url_for("image_file", image_id=job.id, index=i))}
-                    for i in range(n)]
-        else:
-            data = [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs]
-        body = {"created": int(time.time()), "data": data}
         headers = state.response_headers(job)
+        if answer is not None:
+            return answer(images, fmt, headers)
+        if req.response_format == "file":
+            return Response(images[0], media_type=_IMAGE_TYPES[fmt], headers=headers)
+        if as_url:
+            data = [{"url": str(request.url_for("image_file", image_id=job.id, index=i, ext=fmt)),
+                     "b64_json": None, "revised_prompt": None} for i in range(n)]
+        else:
+            data = [{"b64_json": base64.b64encode(image).decode("ascii"), "url": None,
+                     "revised_prompt": None} for image in images]
+        body = {"created": int(time.time()), "data": data, "output_format": fmt}
         return JSONResponse(body, headers=headers) if headers else body
 
-    @app.get("/v1/images/{image_id}/{index}.png", name="image_file")
-    async def image_file(image_id: str, index: int) -> Response:
+    async def edit_prompt(req: Any, images: list[Any], mask_image: Any) -> tuple[Any, Any, Any]:
+        """``(req, prompt, limits)`` of an edit: the size defaults to the image's (rounded
+        down to the model's multiple), the knobs are the edit pipeline's."""
+        engine = state.require_engine()
+        knobs_for = getattr(engine, "knobs_for", None)
+        if knobs_for is None:
+            raise APIError(400, "This server's engine cannot edit images.", param="image",
+                           code="unsupported_model")
+        try:
+            knobs, refused = await asyncio.to_thread(knobs_for, mask_image is not None)
+        except ValueError as exc:
+            raise APIError(400, f"Invalid request: {exc}.", param="image",
+                           code="unsupported_model") from None
+        if req.dimensions is None:  # an edit keeps the image's size (a multiple of the model's)
+            m = state.limits.size_multiple
+            width, height = images[0].size
+            req = req.model_copy(update={"width": max(m, width - width % m),
+                                         "height": max(m, height - height % m)})
+        prompt = {"prompt": req.prompt, "image": images if len(images) > 1 else images[0]}
+        if req.negative_prompt is not None:
+            prompt["negative_prompt"] = req.negative_prompt
+        if mask_image is not None:
+            prompt["mask"] = mask_image
+        return req, prompt, replace(state.limits, knobs=knobs, refused=refused)
+
+    @app.post("/v1/images/edits")
+    async def images_edits(request: Request) -> Any:
+        """Edit the uploaded ``image`` (one or more; with a ``mask``, inpaint it): the
+        served pipeline's image-to-image or inpainting variant, or an edit model itself."""
+        from .uploads import decode_upload
+
+        media = _media_type(request)
+        if media != _MULTIPART:
+            raise _wrong_content_type(media, (_MULTIPART,))
+        form = await request.form()
+        try:
+            fields: dict[str, Any] = {}
+            files: dict[str, list[bytes]] = {}
+            for key, value in form.multi_items():
+                name = key.removesuffix("[]")
+                if isinstance(value, str):
+                    fields.setdefault(name, []).append(value)
+                else:
+                    files.setdefault(name, []).append(await value.read())
+        finally:
+            await form.close()
+        unknown_files = set(files) - {"image", "mask"}
+        if unknown_files:
+            name = sorted(unknown_files)[0]
+            raise APIError(400, f"Invalid type for '{name}': only 'image' and 'mask' take files.",
+                           param=name, code="invalid_type")
+        repeated = [k for k, v in fields.items() if len(v) > 1]
+        if repeated:
+            raise APIError(400, f"Invalid value for '{repeated[0]}': the field is given more "
+                                "than once.", param=repeated[0], code="invalid_value")
+        if "image" in fields or "mask" in fields:
+            name = "image" if "image" in fields else "mask"
+            raise APIError(400, f"Invalid type for '{name}': send an image file (PNG, JPEG or "
+                                "WebP), not text.", param=name, code="invalid_type")
+        if not files.get("image"):
+            raise APIError(400, "Missing required parameter: 'image'.", param="image",
+                           code="missing_required_parameter")
+        if len(files.get("mask", [])) > 1:
+            raise APIError(400, "Invalid value for 'mask': give one mask.", param="mask",
+                           code="invalid_value")
+        try:
+            req = ImageGenerationRequest.model_validate(
+                _form_json({k: v[0] for k, v in fields.items()}), strict=False)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        state.require_engine()
+        max_pixels = state.limits.max_pixels
+        images = [decode_upload("image", data, max_pixels) for data in files["image"]]
+        mask = files.get("mask")
+        mask_image = decode_upload("mask", mask[0], max_pixels, mode="L") if mask else None
+        if mask_image is not None and mask_image.size != images[0].size:
+            raise APIError(400, f"Invalid value for 'mask': it is {mask_image.size[0]}x"
+                                f"{mask_image.size[1]}, the image {images[0].size[0]}x"
+                                f"{images[0].size[1]}; they must be the same size.",
+                           param="mask", code="invalid_value")
+        req, prompt, limits = await edit_prompt(req, images, mask_image)
+        return await run_images(request, req, prompt, limits, text=True)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        """vLLM-Omni's text-to-image chat: the last user message is the prompt (an image
+        part makes it an edit); the knobs come in the body (the SDK's ``extra_body``)."""
+        from .chat import chat_completion, chat_request
+        from .uploads import decode_upload
+
+        media = _media_type(request)
+        if media != _JSON:
+            raise _wrong_content_type(media, (_JSON,))
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise APIError(400, f"We could not parse the JSON body of your request: {exc}",
+                           code="invalid_json") from None
+        fields, uploads = chat_request(body)
+        try:
+            req = ImageGenerationRequest.model_validate(fields, strict=True)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        state.require_engine()
+        prompt, limits = _prompt_item(req), state.limits
+        if uploads:
+            images = [decode_upload("image", data, state.limits.max_pixels) for data in uploads]
+            req, prompt, limits = await edit_prompt(req, images, None)
+
+        def answer(images: list[bytes], fmt: str, headers: dict[str, str]) -> Any:
+            return JSONResponse(chat_completion(settings.model_id, images, fmt), headers=headers)
+
+        return await run_images(request, req, prompt, limits, text=False, answer=answer)
+
+    @app.get("/v1/images/{image_id}/{index}.{ext}", name="image_file")
+    async def image_file(image_id: str, index: int, ext: str) -> Response:
         """Image ``index`` of a ``response_format="url"`` request, kept ``--job-ttl``
-        seconds (404 once expired or for an unknown id)."""
+        seconds (404 once expired, for an unknown id, or another extension than the
+        request's ``output_format``)."""
         job = await state.get_job(image_id)
-        pngs = await state.job_content(job) if job is not None and job.kind == "image" else None
-        if not pngs or not 0 <= index < len(pngs):
-            raise APIError(404, f"No image {index} of {image_id!r} (unknown or expired).",
+        images = await state.job_content(job) if job is not None and job.kind == "image" else None
+        if not images or not 0 <= index < len(images) or ext != job.payload.image_format:
+            raise APIError(404, f"No image {index}.{ext} of {image_id!r} (unknown or expired).",
                            param="image_id", code="image_not_found")
-        return Response(pngs[index], media_type="image/png", headers=state.response_headers(job))
+        return Response(images[index], media_type=_IMAGE_TYPES[ext],
+                        headers=state.response_headers(job))
 
     # -------------------------------------------------------------- videos
 
@@ -269,21 +454,25 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
     @app.post("/v1/videos")
     async def create_video(request: Request) -> Any:
         """Queue a video job; poll ``GET /v1/videos/{id}``."""
-        from ..engine.params import SamplingParams
-
         media = _media_type(request)
+        is_form = media in (_MULTIPART, _URLENCODED)
+        reference: list[bytes] = []  # input_reference, uploaded in a multipart form
         try:
             if media == _JSON:
                 req = VideoGenerationRequest.model_validate_json(await request.body(), strict=True)
-            elif media == _MULTIPART:
+            elif is_form:
                 form = await request.form()
                 try:
-                    data = form_to_dict(list(form.multi_items()))
+                    items = list(form.multi_items())
+                    refs = [v for k, v in items if k == "input_reference" and not isinstance(v, str)]
+                    reference = [await ref.read() for ref in refs]
+                    data = form_to_dict([(k, v) for k, v in items
+                                         if not (k == "input_reference" and not isinstance(v, str))])
                 finally:
                     await form.close()
-                req = VideoGenerationRequest.model_validate(data, strict=False)
+                req = VideoGenerationRequest.model_validate(_form_json(data), strict=False)
             else:
-                raise _wrong_content_type(media, (_JSON, _MULTIPART))
+                raise _wrong_content_type(media, (_JSON, _MULTIPART, _URLENCODED))
         except ValidationError as exc:
             raise validation_error(exc) from None
         engine = state.require_engine()
@@ -298,25 +487,39 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             )
         values = _resolve(state, req, video=True)
         check_limits(req, state.limits, values)
-        params = SamplingParams(
-            height=values["height"],
-            width=values["width"],
-            num_frames=values["num_frames"],
-            fps=req.fps,
-            num_inference_steps=values["num_inference_steps"],
-            guidance_scale=req.guidance_scale,
-            guidance_scale_2=req.guidance_scale_2,
-            seed=req.seed if req.seed is not None else random_seed(),
-        )
-        prompt = (
-            req.prompt
-            if req.negative_prompt is None
-            else {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
-        )
-        job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size), store=True)
+        params = _params(state, req, values, text=is_form, num_frames=values["num_frames"],
+                         fps=req.fps, guidance_scale_2=req.guidance_scale_2)
+        prompt = _prompt_item(req)
+        if reference:
+            prompt = await reference_prompt(engine, req, reference)
+        _check_with_engine(engine, prompt, params)
+        job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size,
+                                   seconds=req.seconds), store=True)
         body = state.video_object(job, status=QUEUED)
         await state.submit_job(job)
         return body
+
+    async def reference_prompt(engine: Any, req: Any, files: list[bytes]) -> dict[str, Any]:
+        """The prompt item of an image-to-video request: ``input_reference`` decoded
+        (:mod:`.uploads`) for a model whose pipeline takes an ``image``; a 400 otherwise."""
+        from .uploads import decode_upload
+
+        if len(files) > 1:
+            raise APIError(400, "Invalid value for 'input_reference': give one image.",
+                           param="input_reference", code="invalid_value")
+        pipeline = getattr(engine, "pipeline", None)
+        takes = pipeline is not None and "image" in inspect.signature(pipeline.__call__).parameters
+        if not takes:
+            name = type(pipeline).__name__ if pipeline is not None else "this engine"
+            raise APIError(400, f"Invalid value for 'input_reference': {name} makes videos from "
+                                "text only; an image-to-video model (such as Wan2.2-I2V-A14B, "
+                                "WanImageToVideoPipeline) takes a reference image.",
+                           param="input_reference", code="unsupported_parameter")
+        image = decode_upload("input_reference", files[0], state.limits.max_pixels)
+        item = {"prompt": req.prompt, "image": image}
+        if req.negative_prompt is not None:
+            item["negative_prompt"] = req.negative_prompt
+        return item
 
     @app.get("/v1/videos")
     async def list_videos(request: Request) -> Any:

@@ -1,18 +1,23 @@
 """Request models of the HTTP API and their validation into OpenAI-style 400 errors.
 
 JSON bodies are validated strictly (``"n": "2"`` is a type error); multipart and
-url-encoded forms, whose values are all text, in lax mode (``"2"`` becomes 2). Unknown
-fields are rejected (``extra="forbid"``), so a typo never silently does nothing.
+url-encoded forms (``/v1/videos``), whose values are all text, in lax mode (``"2"``
+becomes 2). ``null`` is "not given" for every optional field. A field that is not one of
+the request's own is a pipeline knob: an argument of the served pipeline's ``__call__``
+(:func:`pipeline_kwargs`, typed by ``engine.knobs``); anything else is a 400 naming it
+and listing what this model takes, so a typo never silently does nothing.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..engine.knobs import Knob, KnobError, check_knob, refusal
 from .errors import APIError
 
 __all__ = [
@@ -22,10 +27,11 @@ __all__ = [
     "check_limits",
     "form_to_dict",
     "parse_size",
+    "pipeline_kwargs",
     "validation_error",
 ]
 
-MAX_PROMPT_CHARS = 10_000
+MAX_PROMPT_CHARS = 32_000  # OpenAI's limit; the tokenizer truncates, as the pipeline does
 MAX_SEED = 2**62
 MAX_SIDE = 16_384
 _SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
@@ -59,67 +65,132 @@ _Guidance = Field(None, ge=0, le=1000, allow_inf_nan=False)
 _Seed = Field(None, ge=0, le=MAX_SEED)
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Side = Field(None, ge=1, le=MAX_SIDE)
 
-    @field_validator("size", check_fields=False)
+
+class _Request(BaseModel):
+    """Fields shared by every generation endpoint; other fields are kept for
+    :func:`pipeline_kwargs` (``extra="allow"``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str = _Prompt
+    model: str | None = None
+    size: str | None = None
+    width: int | None = _Side
+    height: int | None = _Side
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    num_inference_steps: int | None = _Steps
+    guidance_scale: float | None = _Guidance
+    seed: int | None = _Seed
+    flow_shift: float | None = _Guidance
+    boundary_ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    extra_params: dict[str, Any] | None = None
+    stream: bool | None = None
+    user: str | None = None
+
+    @field_validator("size")
     @classmethod
     def _size(cls, value: str | None) -> str | None:
         return _check_size(value)
 
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("streaming is not supported by this server; omit 'stream' or send "
+                             "false")
+        return value
+
+    @model_validator(mode="after")
+    def _size_agrees(self) -> "_Request":
+        if self.size is not None and (self.width is not None or self.height is not None):
+            width, height = parse_size(self.size)
+            if (self.width or width, self.height or height) != (width, height):
+                raise ValueError(
+                    f"'size' {self.size!r} disagrees with width={self.width} and "
+                    f"height={self.height}; give size or width and height")
+        return self
+
     @property
-    def dimensions(self) -> tuple[int, int] | None:
-        """``(width, height)`` of ``size``, or None for the pipeline's default."""
-        size = getattr(self, "size", None)
-        return parse_size(size) if size else None
+    def dimensions(self) -> tuple[int | None, int | None] | None:
+        """``(width, height)`` of ``size`` or ``width``/``height`` (a side not given is
+        None), or None when neither is given (the pipeline's default)."""
+        if self.size:
+            return parse_size(self.size)
+        if self.width is None and self.height is None:
+            return None
+        return self.width, self.height
+
+    @property
+    def size_field(self) -> str:
+        """The field that gave the size, for messages: ``size``, ``width`` or ``height``."""
+        if self.size is None and self.width is None and self.height is not None:
+            return "height"
+        return "width" if self.size is None and self.width is not None else "size"
 
 
 class ImageGenerationRequest(_Request):
     """Body of ``POST /v1/images/generations`` (OpenAI's fields plus sampling knobs).
 
-    ``size`` ``"auto"`` or absent takes the pipeline's default; ``user`` is accepted and
-    ignored; ``seed`` absent picks a random one; image ``i`` of ``n`` uses ``seed + i``.
+    ``size`` ``"auto"`` or absent takes the pipeline's default; ``quality``, ``style``,
+    ``moderation``, ``safety_identifier``, ``user`` and ``partial_images: 0`` are
+    accepted and ignored; ``output_format`` and ``output_compression`` choose the
+    encoding; ``seed`` absent picks a random one; image ``i`` of ``n`` uses ``seed + i``.
     """
 
-    prompt: str = _Prompt
-    model: str | None = None
     n: int | None = Field(None, ge=1, le=10)
-    size: str | None = None
-    response_format: Literal["b64_json", "url"] | None = None
-    user: str | None = None
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-    num_inference_steps: int | None = _Steps
-    guidance_scale: float | None = _Guidance
-    seed: int | None = _Seed
+    response_format: Literal["b64_json", "url", "file"] | None = None
+    quality: Literal["auto", "standard", "hd", "low", "medium", "high"] | None = None
+    style: Literal["vivid", "natural"] | None = None
+    moderation: Literal["auto", "low"] | None = None
+    safety_identifier: str | None = Field(None, max_length=256)
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_compression: int | None = Field(None, ge=0, le=100)
+    partial_images: int | None = Field(None, ge=0, le=3)
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, value: str | None) -> str | None:
+        if value == "transparent":
+            raise ValueError("this model makes opaque images; use 'auto' or 'opaque'")
+        return value
+
+    @field_validator("partial_images")
+    @classmethod
+    def _partial(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("partial images need streaming, which this server does not "
+                             "support; omit it or send 0")
+        return value
+
+    @model_validator(mode="after")
+    def _file_is_one(self) -> "ImageGenerationRequest":
+        if self.response_format == "file" and (self.n or 1) > 1:
+            raise ValueError("response_format 'file' returns one image; use n=1 or b64_json")
+        return self
 
 
 MAX_SECONDS = 3600.0
 
 
 class VideoGenerationRequest(_Request):
-    """Body of ``POST /v1/videos`` (JSON or multipart form).
+    """Body of ``POST /v1/videos`` (JSON, multipart or url-encoded form).
 
     ``seconds`` is OpenAI's duration (a string such as ``"4"``, or a number): converted to
-    frames at ``fps`` and rounded to a count the model accepts. Give it or
-    ``num_frames``, not both.
+    frames at ``fps`` and rounded to a count the model accepts, and echoed as given (the
+    number's text). Give it or ``num_frames``, not both.
     """
 
-    prompt: str = _Prompt
-    model: str | None = None
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-    size: str | None = None
     seconds: str | float | int | None = None
     num_frames: int | None = Field(None, ge=1)
     fps: int | None = Field(None, ge=1, le=240)
-    num_inference_steps: int | None = _Steps
-    guidance_scale: float | None = _Guidance
     guidance_scale_2: float | None = _Guidance
-    seed: int | None = _Seed
-
 
     @field_validator("seconds")
     @classmethod
-    def _seconds(cls, value: str | float | int | None) -> float | None:
+    def _seconds(cls, value: str | float | int | None) -> str | None:
         if value is None:
             return None
         try:
@@ -130,13 +201,64 @@ class VideoGenerationRequest(_Request):
             raise ValueError(f"seconds must be a number of seconds such as '4', got {value!r}") from None
         if not 0 < seconds <= MAX_SECONDS:
             raise ValueError(f"seconds must be > 0 and at most {MAX_SECONDS:g}, got {value!r}")
-        return seconds
+        return value.strip() if isinstance(value, str) else f"{value:g}"
+
+    @property
+    def duration(self) -> float | None:
+        """``seconds`` as a number, or None."""
+        return None if self.seconds is None else float(self.seconds)
 
     @model_validator(mode="after")
     def _one_length(self) -> "VideoGenerationRequest":
         if self.seconds is not None and self.num_frames is not None:
             raise ValueError("give 'seconds' or 'num_frames', not both")
         return self
+
+
+def pipeline_kwargs(req: _Request, limits: "Limits", text: bool = False) -> dict[str, Any]:
+    """The request's pipeline knobs: its fields beyond its own, and ``extra_params``.
+
+    Each is an argument of the served pipeline's ``__call__`` (``limits.knobs``),
+    checked by ``engine.knobs.check_knob``; ``null`` is not given; a list has at most
+    ``--max-steps + 1`` items.
+
+    Args:
+        req: the validated request.
+        limits: the server's limits, with the model's knob table.
+        text: the values come from a form (text, parsed to each knob's type).
+
+    Raises:
+        APIError: 400 naming the field: not an argument of this model (the message
+            lists the fields it takes), one the server sets, given twice, or a bad value.
+    """
+    own = set(type(req).model_fields)
+    nested = req.extra_params or {}
+    values = [(name, value, name) for name, value in (req.model_extra or {}).items()]
+    values += [(name, value, f"extra_params.{name}") for name, value in nested.items()]
+    knobs = limits.knobs or {}
+    out: dict[str, Any] = {}
+    for name, value, where in values:
+        if value is None:
+            continue
+        try:
+            if name in limits.refused:
+                raise refusal(where, limits.refused[name])
+            if name in out:
+                raise KnobError(where, f"Invalid request: '{name}' is given twice, at the top "
+                                       "level and in extra_params.")
+            if name in own:
+                raise KnobError(where, f"Invalid request: give '{name}' as a field of the "
+                                       "request, not in extra_params.")
+            if name not in knobs:
+                taken = sorted((own - {"extra_params"}) | set(knobs))
+                raise KnobError(where, f"Unrecognized request argument supplied: '{where}'. "
+                                       f"This model takes: {', '.join(taken)}.")
+            out[name] = check_knob(knobs[name], value, field=where, text=text,
+                                   max_items=limits.max_steps + 1)
+        except KnobError as exc:
+            code = "unknown_parameter" if str(exc).startswith("Unrecognized") else "invalid_value"
+            raise APIError(400, str(exc), param=exc.field, code=code) from None
+    return out
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -189,6 +311,9 @@ class Limits:
         model_side: largest width and height the model's config allows, or None.
         model_frames: most frames the model's config allows, or None.
         model_source: where the two come from (``"its transformer's rope_max_seq_len of 32"``).
+        knobs: the pipeline's knobs (``engine.knobs.knob_table``), or None (unknown: every
+            field beyond a request's own is refused).
+        refused: ``__call__`` arguments a request cannot set, with the reason.
     """
 
     max_pixels: int
@@ -200,6 +325,8 @@ class Limits:
     model_side: int | None = None
     model_frames: int | None = None
     model_source: str = ""
+    knobs: Mapping[str, Knob] | None = None
+    refused: Mapping[str, str] = field(default_factory=dict)
 
 
 def _over(field: str, value: int, text: str, limit: int, flag: str, given: bool) -> APIError:
@@ -234,30 +361,31 @@ def check_limits(
         values = {"width": width, "height": height,
                   "num_inference_steps": req.num_inference_steps,
                   "num_frames": getattr(req, "num_frames", None)}
-    given = req.model_fields_set
     width, height = values.get("width"), values.get("height")
-    size_given = "size" in given and req.dimensions is not None
+    size_given = req.dimensions is not None
+    size_field = req.size_field
+    given = {name for name in req.model_fields_set if getattr(req, name, None) is not None}
     if width is not None and height is not None:
         if width * height > limits.max_pixels:
-            raise _over("size", width * height, f"{width}x{height} = {width * height} pixels",
+            raise _over(size_field, width * height, f"{width}x{height} = {width * height} pixels",
                         limits.max_pixels, "--max-pixels", size_given)
         m = limits.size_multiple
         if width % m or height % m:
             raise APIError(
                 400,
-                f"Invalid value for 'size': width and height must be multiples of {m} for this "
-                f"model (its VAE scale factor times its patch size), got {width}x{height}.",
-                param="size",
+                f"Invalid value for '{size_field}': width and height must be multiples of {m} for "
+                f"this model (its VAE scale factor times its patch size), got {width}x{height}.",
+                param=size_field,
                 code="invalid_value",
             )
         side = limits.model_side
         if side is not None and (width > side or height > side):
             raise APIError(
                 400,
-                f"Invalid value for 'size': {width}x{height} is more than this model can "
-                f"generate: {limits.model_source} allows at most {side} pixels a side"
+                f"Invalid value for '{size_field}': {width}x{height} is more than this model "
+                f"can generate: {limits.model_source} allows at most {side} pixels a side"
                 f"{'' if size_given else ' (the model default)'}.",
-                param="size",
+                param=size_field,
                 code="invalid_value",
             )
     steps = values.get("num_inference_steps")

@@ -54,6 +54,19 @@ SHUTDOWN_SETTLE = 1.0
 before ``serve`` exits without it (so ``serve`` exits within grace + this + a little)."""
 
 
+MAX_FRAMES_SECONDS = 12
+"""The default ``--max-frames`` admits this many seconds at :data:`DEFAULT_FPS`."""
+
+
+def default_max_frames(settings: ServerSettings, step: int | None) -> int:
+    """``--max-frames``, or when not set :data:`MAX_FRAMES_SECONDS` at :data:`DEFAULT_FPS`
+    rounded up to a count the model accepts (``num_frames - 1`` a multiple of ``step``)."""
+    if settings.max_frames is not None:
+        return settings.max_frames
+    frames = MAX_FRAMES_SECONDS * DEFAULT_FPS
+    return frames + 1 if step else frames
+
+
 def random_seed() -> int:
     """A seed for a request that gives none."""
     return secrets.randbelow(_MAX_SEED)
@@ -67,8 +80,10 @@ class ServerSettings:
         model_id: the model as given on the command line (the id in ``/v1/models``).
         api_key: bearer token required on ``/v1/`` routes, or None.
         max_queue: most jobs waiting (the running one not counted); more answer 429.
-        max_pixels: largest ``width * height`` of a request.
-        max_frames: most frames per video.
+        max_pixels: largest ``width * height`` of a request (default 2 MP: OpenAI's
+            1536x1024 and 1792x1024 fit, 2048x2048 does not).
+        max_frames: most frames per video; None: 12 s at :data:`DEFAULT_FPS` in frames
+            the model accepts (193 for Wan).
         max_steps: most denoising steps per request.
         max_body_bytes: largest request body; more answer 413.
         shutdown_grace: seconds the running job gets on shutdown before it is marked failed.
@@ -90,8 +105,8 @@ class ServerSettings:
     model_id: str
     api_key: str | None = None
     max_queue: int = 32
-    max_pixels: int = 1024 * 1024
-    max_frames: int = 129
+    max_pixels: int = 2_097_152
+    max_frames: int | None = None
     max_steps: int = 100
     max_body_bytes: int = 1_048_576
     shutdown_grace: float = 30.0
@@ -118,7 +133,7 @@ class ServerSettings:
             ("max_connections", 1),
         ):
             value = getattr(self, name)
-            if value is None and name in ("size_multiple", "max_connections"):
+            if value is None and name in ("size_multiple", "max_connections", "max_frames"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(
@@ -209,12 +224,25 @@ def normalize_origin(origin: str) -> str:
 
 @dataclass
 class JobSpec:
-    """What the worker needs to run a job: the prompt item, ``SamplingParams``, fps, size."""
+    """What the worker needs to run a job.
+
+    Attributes:
+        prompt: the engine's prompt item (text, or ``{"prompt", "negative_prompt"}``).
+        params: its ``SamplingParams``.
+        fps: a video's frame rate (None: :data:`DEFAULT_FPS`).
+        size: the request's ``size`` as given, for the video object.
+        seconds: the request's ``seconds`` as given (``"4"``), echoed by the video object.
+        image_format: ``png``, ``jpeg`` or ``webp`` (images).
+        compression: ``output_compression`` 0-100, or None (the encoder's default).
+    """
 
     prompt: Any
     params: Any
     fps: int | None = None
     size: str | None = None
+    seconds: str | None = None
+    image_format: str = "png"
+    compression: int | None = None
 
 
 def job_error_code(exc: BaseException) -> str:
@@ -306,7 +334,8 @@ class BaseServerState:
         self.engine: Any = None
         self.rules: Any = None  # models.rules.ModelRules once loaded (None for test doubles)
         self.limits = Limits(
-            settings.max_pixels, settings.max_frames, settings.max_steps, settings.size_multiple or 16
+            settings.max_pixels, default_max_frames(settings, None), settings.max_steps,
+            settings.size_multiple or 16,
         )
         self.load_error: BaseException | None = None
         self.loaded_at: int = int(time.time())
@@ -413,7 +442,9 @@ class BaseServerState:
         params = spec.params
         fps = spec.fps or DEFAULT_FPS
         status = status or job.status
-        seconds = None if params.num_frames is None else f"{params.num_frames / fps:g}"
+        seconds = spec.seconds
+        if seconds is None and params.num_frames is not None:
+            seconds = f"{params.num_frames / fps:g}"
         finished = job.completed_at if job.completed_at and status != QUEUED else None
         prompt = spec.prompt["prompt"] if isinstance(spec.prompt, dict) else spec.prompt
         return {
@@ -484,16 +515,20 @@ class ServerState(BaseServerState):
 
             self.rules = model_rules(info)
         rules = self.rules
+        step = rules.frame_step if rules is not None else frame_step(engine)
+        knobs = getattr(engine, "knobs", None)
         self.limits = Limits(
             self.settings.max_pixels,
-            self.settings.max_frames,
+            default_max_frames(self.settings, step),
             self.settings.max_steps,
             self.settings.size_multiple or (rules.size_multiple if rules is not None else 16),
-            rules.frame_step if rules is not None else frame_step(engine),
+            step,
             call_params(engine),
             rules.max_side if rules is not None else None,
             rules.max_frames if rules is not None else None,
             rules.limit_source if rules is not None else "",
+            knobs if isinstance(knobs, dict) else None,
+            dict(getattr(engine, "refused_args", None) or {}),
         )
         self.progress.install(engine)
         self.loaded_at = int(time.time())
@@ -625,13 +660,14 @@ class ServerState(BaseServerState):
             on_progress: also called with the percent done (0-99) after every step.
 
         Returns:
-            A list of PNG bytes (image jobs) or the mp4 bytes (video jobs).
+            A list of encoded images (image jobs: ``spec.image_format``) or the mp4
+            bytes (video jobs).
 
         Raises:
             JobAbandoned: the job stopped being in progress (shutdown grace) mid-run.
             Whatever the engine raises.
         """
-        from ..engine.media import encode_png, encode_video
+        from ..engine.media import encode_image, encode_video
 
         spec: JobSpec = job.payload
         engine = self.engine
@@ -651,5 +687,6 @@ class ServerState(BaseServerState):
             self.progress.end()
         self.metrics.observe_peak_memory(getattr(result, "peak_device_memory_bytes", 0) or 0)
         if job.kind == "image":
-            return [encode_png(image) for image in result.images]
+            return [encode_image(image, spec.image_format, spec.compression)
+                    for image in result.images]
         return encode_video(result.frames[0], spec.fps or DEFAULT_FPS, ".mp4")

@@ -1,0 +1,248 @@
+"""One request's pipeline arguments: knobs, the negative-prompt rule, ``check_inputs``,
+and the per-request scheduler shift and expert boundary (set for the call, then restored).
+
+:class:`Omni` builds every ``__call__`` through :func:`call_kwargs` and runs it inside
+:func:`request_overrides`; ``serve`` calls :func:`check_request` (through
+``Omni.check_request``) when a request arrives, so what the pipeline would refuse is a
+400 at creation rather than a failed job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .knobs import DEFAULT_TRUE_CFG_SCALE, Knob, KnobError, check_knob, refusal
+from .params import SamplingParams
+
+__all__ = ["PromptItem", "call_kwargs", "check_request", "normalize_prompts", "request_overrides",
+           "shift_key", "variant_for"]
+
+_NAMED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale",
+          "guidance_scale_2")
+
+
+_ITEM_KEYS = ("prompt", "negative_prompt", "image", "mask")
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of ``Omni.generate``.
+
+    Attributes:
+        prompt: the text.
+        negative: the negative prompt, or None.
+        images: the images to edit (PIL), or None (text-to-image or -video).
+        mask: the inpainting mask (PIL; white is repainted), or None.
+    """
+
+    prompt: str
+    negative: str | None = None
+    images: tuple[Any, ...] | None = None
+    mask: Any = None
+
+    def images_kwargs(self) -> dict[str, Any]:
+        """``image`` (one image, or a list of several) and ``mask_image`` for ``__call__``."""
+        out: dict[str, Any] = {}
+        if self.images:
+            out["image"] = self.images[0] if len(self.images) == 1 else list(self.images)
+        if self.mask is not None:
+            out["mask_image"] = self.mask
+        return out
+
+
+def normalize_prompts(prompts: Any) -> list[PromptItem]:
+    """``Omni.generate``'s prompts as items.
+
+    Raises:
+        ValueError: empty, unknown keys, or a mask without an image.
+        TypeError: a value of the wrong type (a non-PIL image, a non-str prompt).
+    """
+    from PIL import Image
+
+    items = prompts if isinstance(prompts, list) else [prompts]
+    if not items:
+        raise ValueError("prompts must not be empty")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(PromptItem(item))
+            continue
+        if not isinstance(item, Mapping):
+            raise TypeError(
+                f"prompts must be a str, a dict with 'prompt' (and 'negative_prompt', 'image', "
+                f"'mask'), or a list of them; got {item!r} ({type(item).__name__})"
+            )
+        unknown = set(item) - set(_ITEM_KEYS)
+        if unknown:
+            raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: {list(_ITEM_KEYS)}")
+        prompt, negative = item.get("prompt"), item.get("negative_prompt")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {prompt!r}")
+        if negative is not None and not isinstance(negative, str):
+            raise TypeError(f"negative_prompt must be a str or None, got {negative!r}")
+        image, mask = item.get("image"), item.get("mask")
+        images = None
+        if image is not None:
+            images = tuple(image) if isinstance(image, (list, tuple)) else (image,)
+            if not images or not all(isinstance(i, Image.Image) for i in images):
+                raise TypeError(f"image must be a PIL image or a list of them, got {image!r}")
+        if mask is not None and not isinstance(mask, Image.Image):
+            raise TypeError(f"mask must be a PIL image, got {mask!r}")
+        if mask is not None and images is None:
+            raise ValueError("a mask needs an image to inpaint")
+        out.append(PromptItem(prompt, negative, images, mask))
+    return out
+
+
+def variant_for(pipeline: Any, item: PromptItem) -> str | None:
+    """Which pipeline runs ``item``: None for the served one (no image, or a pipeline
+    whose ``__call__`` takes the image itself: Qwen-Image-Edit, FLUX.1-Kontext,
+    image-to-video), ``"image2image"``, or with a mask ``"inpaint"``."""
+    if item.images is None:
+        return None
+    params = inspect.signature(pipeline.__call__).parameters
+    if "image" in params and (item.mask is None or "mask_image" in params):
+        return None
+    return "inpaint" if item.mask is not None else "image2image"
+
+
+def shift_key(scheduler: Any) -> str | None:
+    """The scheduler config key that ``flow_shift`` sets: ``flow_shift`` (UniPC, DPM),
+    ``shift`` (FlowMatchEuler), or None when it has neither."""
+    config = getattr(scheduler, "config", {}) or {}
+    for key in ("flow_shift", "shift"):
+        if key in config:
+            return key
+    return None
+
+
+def _check_overrides(pipeline: Any, params: SamplingParams) -> None:
+    cls = type(pipeline).__name__
+    if params.flow_shift is not None:
+        scheduler = getattr(pipeline, "scheduler", None)
+        key = shift_key(scheduler)
+        if key is None:
+            raise KnobError("flow_shift", f"'flow_shift' is not supported by {cls}: its scheduler "
+                                          f"{type(scheduler).__name__} has no shift.")
+        if scheduler.config.get("use_dynamic_shifting"):
+            raise KnobError("flow_shift", f"'flow_shift' is not supported by {cls}: its scheduler "
+                                          "uses dynamic shifting (use_dynamic_shifting=True), so "
+                                          "the shift follows the image size.")
+    if params.boundary_ratio is not None and (
+            "boundary_ratio" not in pipeline.config or getattr(pipeline, "transformer_2", None) is None):
+        raise KnobError("boundary_ratio", f"'boundary_ratio' is not supported by {cls}: it is the "
+                                          "switch between Wan2.2's two experts, and this model has one.")
+
+
+def call_kwargs(pipeline: Any, knobs: Mapping[str, Knob], refused: Mapping[str, str],
+                params: SamplingParams, has_negative: bool, max_items: int = 1001) -> dict[str, Any]:
+    """The ``__call__`` keyword arguments of ``params`` (prompt, generator excluded).
+
+    ``params.extra`` is checked knob by knob (:func:`~.knobs.check_knob`); a negative
+    prompt on a pipeline that uses it only when ``true_cfg_scale > 1`` gets
+    :data:`~.knobs.DEFAULT_TRUE_CFG_SCALE` when ``true_cfg_scale`` is unset.
+
+    Raises:
+        KnobError: an argument the pipeline does not take (the message lists those it
+            does), one the engine sets, a bad value, an explicit ``true_cfg_scale`` of 1
+            or less with a negative prompt, or ``flow_shift``/``boundary_ratio`` on a
+            model without them.
+    """
+    cls = type(pipeline).__name__
+    kwargs: dict[str, Any] = {}
+    for key in _NAMED:
+        value = getattr(params, key)
+        if value is None:
+            continue
+        if key not in knobs:
+            raise KnobError(key, f"SamplingParams.{key}={value!r} is not supported by {cls} "
+                                 f"(it takes no {key!r})")
+        kwargs[key] = value
+    for key, value in (params.extra or {}).items():
+        if key in refused:
+            raise refusal(key, refused[key])
+        if key not in knobs or key in kwargs or key == "negative_prompt":
+            taken = ", ".join(sorted(set(knobs) - {"negative_prompt"}))
+            why = "is given twice" if key in kwargs else f"is not an argument of {cls}"
+            raise KnobError(key, f"Unrecognized argument '{key}': it {why}; {cls} takes: {taken}.")
+        if value is not None:
+            kwargs[key] = check_knob(knobs[key], value, max_items=max_items)
+    if has_negative and "true_cfg_scale" in knobs:
+        scale = kwargs.get("true_cfg_scale")
+        if scale is None:
+            kwargs["true_cfg_scale"] = DEFAULT_TRUE_CFG_SCALE
+        elif scale <= 1:
+            raise KnobError("true_cfg_scale", f"'negative_prompt' needs 'true_cfg_scale' > 1 on {cls} "
+                                              f"(it is used only then), got true_cfg_scale={scale:g}; "
+                                              "raise it or drop the negative prompt.")
+    _check_overrides(pipeline, params)
+    return kwargs
+
+
+class _ConfigView:
+    """The pipeline seen by ``check_inputs`` with this request's ``boundary_ratio``:
+    every attribute is the pipeline's, except ``config``."""
+
+    def __init__(self, pipeline: Any, own_config: Mapping[str, Any],
+                 boundary_ratio: float | None) -> None:
+        from diffusers.configuration_utils import FrozenDict
+
+        self._pipeline = pipeline
+        config = dict(own_config)
+        if boundary_ratio is not None:
+            config["boundary_ratio"] = boundary_ratio
+        self.config = FrozenDict(config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipeline, name)
+
+
+def check_request(pipeline: Any, own_config: Mapping[str, Any], item: PromptItem,
+                  kwargs: Mapping[str, Any], params: SamplingParams) -> None:
+    """Run the pipeline's own ``check_inputs`` on this request, without running it.
+
+    The pipeline is seen with its own config (``own_config``, as loaded) and this
+    request's ``boundary_ratio``, never another request's running override.
+
+    Raises:
+        ValueError: what ``check_inputs`` raises, its message kept.
+    """
+    check = getattr(type(pipeline), "check_inputs", None)
+    if check is None:
+        return
+    values = {"prompt": item.prompt, "negative_prompt": item.negative, **kwargs,
+              **item.images_kwargs()}
+    args: dict[str, Any] = {}
+    for name, param in inspect.signature(check).parameters.items():
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name in values:
+            args[name] = values[name]
+        elif param.default is inspect.Parameter.empty:
+            args[name] = None  # prompt_2, image...: not given
+    check(_ConfigView(pipeline, own_config, params.boundary_ratio), **args)
+
+
+@contextlib.contextmanager
+def request_overrides(pipeline: Any, params: SamplingParams) -> Iterator[None]:
+    """Set this request's ``flow_shift`` (a scheduler built from the pipeline's with the
+    shift) and ``boundary_ratio`` for the call; the model's own come back afterwards,
+    also when the call raises. The caller serializes calls (``Omni``'s lock)."""
+    scheduler = pipeline.scheduler if params.flow_shift is not None else None
+    ratio = pipeline.config.get("boundary_ratio") if params.boundary_ratio is not None else None
+    try:
+        if scheduler is not None:
+            key = shift_key(scheduler)
+            pipeline.scheduler = type(scheduler).from_config(scheduler.config, **{key: params.flow_shift})
+        if params.boundary_ratio is not None:
+            pipeline.register_to_config(boundary_ratio=params.boundary_ratio)
+        yield
+    finally:
+        if scheduler is not None:
+            pipeline.scheduler = scheduler
+        if params.boundary_ratio is not None:
+            pipeline.register_to_config(boundary_ratio=ratio)
