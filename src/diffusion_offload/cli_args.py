@@ -627,13 +627,15 @@ def quiet_libraries(heavy: bool = True) -> None:
     """Silence library chatter that does not concern the user, the same way in every command:
     transformers/diffusers/huggingface_hub warnings below error level, their loading and
     saving progress bars, and Python warnings raised inside those libraries and torch.
+    The quantization backends diffusers imports when they are installed log at import
+    (torchao: its CUDA-only extensions it could not load, "no triton"; bitsandbytes: its
+    optional ``kernels`` package; torch's pytree: torchao's enums registered with it):
+    their loggers are set to error level too, without importing them.
 
     Environment variables are set first (``setdefault``, so a user's own choice wins) so
     that libraries imported later start quiet; with ``heavy`` (the command is about to
     load a model anyway) diffusers' and transformers' own switches are set too, which
-    imports them, after the quantization backends they import were imported with their
-    import-time output silenced (``models.imports``). The pipeline's denoising progress
-    bar is not a loading bar and stays.
+    imports them. The pipeline's denoising progress bar is not a loading bar and stays.
     """
     import logging
     import os
@@ -646,12 +648,10 @@ def quiet_libraries(heavy: bool = True) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for module in ("diffusers", "transformers", "torch", "huggingface_hub", "accelerate", "torchvision"):
         warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
-    for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
+    for name in ("diffusers", "transformers", "huggingface_hub", "accelerate", "torchao",
+                 "bitsandbytes", "optimum.quanto", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if heavy:
-        from .models.imports import import_model_libraries
-
-        import_model_libraries()
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 

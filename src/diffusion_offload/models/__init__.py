@@ -7,6 +7,4 @@ planner, the engine, the server and the CLI (all above it).
   (``ModelRules``, ``model_rules``, ``frames_for_seconds``).
 - ``fit``: will a config's resting footprint fit the device (``check_fit``, ``FitError``).
 - ``caches``: clearing method caches that hold a loaded pipeline's device tensors.
-- ``imports``: importing diffusers and the quantization backends without their
-  import-time noise (the CLI's one-line errors).
 """
