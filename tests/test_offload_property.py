@@ -485,13 +485,14 @@ class Model:
         return out
 
     def _budget_in_force(self) -> int:
-        """The configured budget, or the smallest workable one if a group grew past it
-        after ``enable()`` (a LoRA): what always stays resident plus the largest group
-        (the documented fallback of issue 17 item 7)."""
+        """The configured budget, or the smallest workable one if what always stays
+        resident (the unselected components) grew past it after ``enable()`` (a LoRA); a
+        selected group bigger than the budget runs over it and leaves when done, so at
+        rest it is within the budget (issue 25 item 7)."""
         def nbytes(name: str) -> int:
             return sum(t.numel() * t.element_size() for _, t in _tensors(self.pipe.get_submodule(name)))
 
-        smallest = sum(nbytes(n) for n in UNSELECTED) + max(nbytes(n) for n in SELECTED)
+        smallest = sum(nbytes(n) for n in UNSELECTED)
         assert isinstance(self.budget, int)
         return max(self.budget, smallest)
 

@@ -79,6 +79,9 @@ BUILTIN_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
     "SkyReelsV2Transformer3DModel": ("blocks",),
     "Kandinsky5Transformer3DModel": ("text_transformer_blocks", "visual_transformer_blocks"),
     "ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "layers"),
+    # runs ``transformer_blocks[0].norm1.emb`` from its own forward, outside the block:
+    # streaming that block would race its copy, so it has no streamable blocks
+    "DiTTransformer2DModel": (),
     # transformers text encoders
     "T5EncoderModel": ("encoder.block",),
     "UMT5EncoderModel": ("encoder.block",),

@@ -184,6 +184,15 @@ class SequentialOffloadHook:
             with self.lock:
                 policy.order_pending()
 
+    def settle(self) -> None:
+        """With a budget, evict until the resident weights are within it (the end of the
+        outermost offloaded call: a stage bigger than the budget leaves the device as soon
+        as it is done; see ``MemoryPolicy.settle``). O(slots) when nothing is over."""
+        policy = self.policy
+        if policy is not None and not policy.strict:
+            with self.lock:
+                policy.settle()
+
     def recover_from_oom(self) -> list[str]:
         """Evict every selected component outside this hook's group and empty the device
         cache (the first OOM of a stage); returns the names evicted."""
@@ -322,8 +331,9 @@ class HookHandle:
                     # the outermost offloaded call ends: what runs next (the pipeline's
                     # read of the output, the caller's code between requests) is ordered
                     # after the copies a prefetch left in flight; they overlapped this
-                    # call's work
+                    # call's work. Then, with a budget, the weights go back within it
                     hook.order_pending()
+                    hook.settle()
 
         def guarded(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             try:

@@ -43,18 +43,28 @@ activations. A tensor tied between two selected components stays on the device w
 either of them is resident.
 
 **The smallest workable budget** is the bytes that always stay on the device (unselected
-components, tensors shared with them) plus the largest stage group (a DiT; the selected
-encoders together). ``enable`` refuses a budget below it (``"auto"`` included, e.g. one
-that resolves to 0 on a small device) with ``BudgetTooSmallError`` (a ValueError) naming
-both numbers and the value given, before anything is adopted, pinned or moved.
+components, tensors shared with them): nothing else has to be resident at rest.
+``enable`` refuses a budget below it (``"auto"`` included, e.g. one that resolves to 0 on
+a small device) with ``BudgetTooSmallError`` (a ValueError) naming both numbers and the
+value given, before anything is adopted, pinned or moved.
 
-**Growth after enable** (a LoRA loaded into a component, a bigger replaced Parameter):
-the next activation of the grown group takes the change in first, then the budget in
-force (``MemoryPolicy.budget``) becomes max(the budget given, the smallest workable budget
+**A stage bigger than the budget** (its group beside the bytes that always stay exceeds
+it: a budget smaller than one DiT) still runs: its activation evicts every other selected
+component, loads the group, and when the outermost offloaded call that ran it returns
+(also when it raises), ``settle`` evicts until the resident weights are within the budget
+again (farthest next use first). So from ``enable`` on, between stages and between
+requests, the resident weights stay at or under the budget; only while such a stage
+computes are they over it. ``enable`` leaves the selected encoders on the host when they do
+not fit beside the bytes that always stay.
+
+**Growth after enable** (a LoRA loaded into an unselected component, a bigger replaced
+Parameter of one): the next activation takes the change in first, then the budget in
+force (``MemoryPolicy.budget``) becomes max(the budget given, the bytes that always stay
 now), with one ``RuntimeWarning`` naming both each time it rises to a new high; victims
 and prefetches follow that budget, so the resident weights stay within it and ``audit()``
-(which checks against it) stays ``[]``. When the growth goes (``unload_lora_weights``),
-the next activation brings the budget given back. To bound the grown weights by a fixed
+(which checks against it) stays ``[]``. A selected group that grows past the budget is a
+stage bigger than the budget (above). When the growth goes (``unload_lora_weights``), the
+next activation brings the budget given back. To bound the grown weights by a fixed
 number instead, ``disable()`` and ``enable()`` with another budget.
 """
 
@@ -140,8 +150,11 @@ def resolve_budget(
 
 
 class BudgetTooSmallError(ValueError):
-    """``device_memory_budget`` is below the smallest budget that can run the pipeline:
-    the weights that always stay on the device plus the largest stage group.
+    """``device_memory_budget`` is below the smallest budget that can run the pipeline.
+
+    Module mode: the weights that always stay on the device (``group`` is 0; a stage
+    bigger than the rest of the budget still runs, see the module docstring). Layer mode:
+    those plus the double buffer of the two largest streamed blocks.
 
     Attributes:
         given: the budget as given (bytes or ``"auto"``).
@@ -149,7 +162,8 @@ class BudgetTooSmallError(ValueError):
         smallest: the smallest workable budget in bytes.
         fixed: bytes of weights that always stay on the device (unselected components,
             tensors shared with them).
-        group: bytes of the largest group; ``group_names``: its components.
+        group: layer mode: bytes of the two largest streamed blocks, ``group_names``
+            their names; module mode: 0 and ``()``.
     """
 
     def __init__(
@@ -166,15 +180,19 @@ class BudgetTooSmallError(ValueError):
         self.fixed, self.group, self.group_names = fixed, group, group_names
         shown = f"{given!r} (resolved to {budget} bytes)" if isinstance(given, str) else f"{budget} bytes"
         if layer:  # layer mode: the group is the double buffer of the two largest blocks
-            what = f"the two largest streamed blocks {list(group_names)}"
-            rule = "or None (layer mode without a budget: trunks and two blocks)"
-        else:
-            what = f"the largest group {list(group_names)}"
-            rule = "or None for the strict rule (one group at a time, no budget)"
+            super().__init__(
+                f"device_memory_budget={shown} is below the smallest workable budget of "
+                f"{smallest} bytes: {fixed} bytes of weights that always stay on the device + "
+                f"{group} bytes of the two largest streamed blocks {list(group_names)}; give "
+                f"device_memory_budget >= {smallest}, or None (layer mode without a budget: "
+                "trunks and two blocks)"
+            )
+            return
         super().__init__(
             f"device_memory_budget={shown} is below the smallest workable budget of {smallest} "
-            f"bytes: {fixed} bytes of weights that always stay on the device + {group} bytes of "
-            f"{what}; give device_memory_budget >= {smallest}, {rule}"
+            f"bytes: the weights that always stay on the device (unselected components, tensors "
+            f"shared with them); give device_memory_budget >= {smallest}, or None for the "
+            "strict rule (one group at a time, no budget)"
         )
 
 
@@ -287,8 +305,6 @@ class MemoryPolicy:
         budget: resolved budget in bytes, or None (strict rule).
         platform: the device's platform.
         components: the backend's ``ComponentWeights`` by name.
-        groups: the component names of each stage group (for the smallest workable
-            budget); empty: every component alone.
 
     Attributes:
         requested: the budget given (bytes), or None.
@@ -307,13 +323,11 @@ class MemoryPolicy:
         budget: int | None,
         platform: Platform,
         components: dict[str, "ComponentWeights"],
-        groups: Iterable[Iterable[str]] = (),
     ) -> None:
         self.requested = budget
         self.budget = budget
         self.platform = platform
         self.components = components
-        self.groups = [frozenset(g) for g in groups] or [frozenset([n]) for n in components]
         self.history: list[tuple[str, ...]] = []
         self.decode_needs_room = False
         self.tight: set[tuple[str, ...]] = set()  # stages that ran out of memory once
@@ -350,26 +364,27 @@ class MemoryPolicy:
                     seen[id(slot)] = (frozenset(slot.owners), slot.nbytes, slot.evictable)
         return list(seen.values())
 
-    def smallest(self) -> tuple[int, int, int, tuple[str, ...]]:
-        """``smallest_budget`` of the managed slots now and this policy's groups."""
-        return smallest_budget(self.slots(), self.groups)
+    def fixed_bytes(self) -> int:
+        """Bytes of the managed slots that never leave the device now (the smallest
+        workable budget)."""
+        return sum(n for _, n, evictable in self.slots() if not evictable)
 
     def refresh_budget(self) -> int | None:
         """Follow growth after enable: the budget in force becomes max(requested, the
-        smallest workable budget now), with one ``RuntimeWarning`` each time it rises to a
-        new high; returns it. O(slots); called by each budgeted activation."""
+        bytes that always stay on the device now), with one ``RuntimeWarning`` each time
+        it rises to a new high; returns it. O(slots); called by each budgeted activation."""
         if self.requested is None:
             return None
-        floor, fixed, group, names = self.smallest()
+        floor = self.fixed_bytes()
         effective = max(self.requested, floor)
         if effective > self._warned_at:
             self._warned_at = effective
             warnings.warn(
-                f"device_memory_budget: the weights grew after enable() (a LoRA?): "
-                f"{fixed} bytes always resident + {group} bytes of group {list(names)} "
-                f"need {floor} bytes, above the {self.requested} bytes given; running with a "
-                f"budget of {effective} bytes until they shrink again. To bound them, "
-                "disable() and enable() with another budget, or offload more (mode='layer')",
+                f"device_memory_budget: the weights that always stay on the device grew after "
+                f"enable() (a LoRA in an unselected component?) to {floor} bytes, above the "
+                f"{self.requested} bytes given; running with a budget of {effective} bytes "
+                "until they shrink again. To bound them, disable() and enable() with another "
+                "budget, or offload more components",
                 RuntimeWarning,
                 stacklevel=6,
             )
@@ -480,8 +495,8 @@ class MemoryPolicy:
     ) -> list["ComponentWeights"]:
         """Components to evict so that ``keep`` fits beside what stays within the budget,
         farthest next use (seen from ``ahead`` stages on) first; never one in ``keep``.
-        May return all candidates and still not fit (only below the smallest workable
-        budget, which ``enable`` refuses)."""
+        May return all candidates and still not fit: a stage bigger than the budget,
+        which runs over it until ``settle`` evicts it."""
         assert self.budget is not None
         keep_names = {c.name for c in keep}
         pool = [c for c in candidates if c.selected and c.resident and c.name not in keep_names]
@@ -494,6 +509,23 @@ class MemoryPolicy:
             out.append(comp)
             gone.add(comp.name)
         return out
+
+    def settle(self) -> list[str]:
+        """Evict selected components, farthest next use first, until the resident weights
+        are within the budget (after a stage bigger than the budget: the end of the
+        outermost offloaded call that ran it). Returns the names evicted; [] (O(slots))
+        when the weights already fit. No-op under the strict rule."""
+        if self.budget is None or self.resident_bytes() <= self.budget:
+            return []
+        pool = [c for c in self.components.values() if c.selected and c.resident]
+        pool.sort(key=lambda c: self.next_use(c.name), reverse=True)
+        evicted: list[str] = []
+        for comp in pool:
+            if self.projected_bytes(evicted) <= self.budget:
+                break
+            comp.evict()
+            evicted.append(comp.name)
+        return evicted
 
     # -- prefetch -------------------------------------------------------------------------
 

@@ -18,6 +18,10 @@ Families (``FAMILIES``):
   stage.
 - ``"shap-e-img2img"``: ``ShapEImg2ImgPipeline`` (``prior``, CLIP image encoder,
   ``shap_e_renderer``); ``run`` returns the latents.
+- ``"pixart-sigma"``: ``PixArtSigmaPipeline`` (``PixArtTransformer2DModel``, T5 text
+  encoder with our T5 tokenizer, VAE).
+- ``"chroma"``: ``ChromaPipeline`` (``ChromaTransformer2DModel``, T5 text encoder, the
+  16-channel VAE of ``tiny_pipelines``' Flux).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .tiny_tokenizers import clip_tokenizer
+from .tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 __all__ = ["FAMILIES", "build", "run"]
 
@@ -185,6 +189,53 @@ def _run_shap_e_img2img(pipe: Any) -> Any:
                 output_type="latent")[0]
 
 
+def _t5(tokenizer: Any, d_model: int) -> Any:
+    from .tiny_pipelines import _t5_encoder
+
+    return _seeded(lambda: _t5_encoder(len(tokenizer), d_model).eval())
+
+
+def _build_pixart_sigma():
+    from diffusers import DDIMScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    tokenizer = t5_tokenizer()
+    transformer = _seeded(lambda: PixArtTransformer2DModel(
+        sample_size=8, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=3,
+        caption_channels=32, in_channels=4, cross_attention_dim=24, out_channels=8, attention_bias=True,
+        activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+        norm_elementwise_affine=False, norm_eps=1e-6,
+    ))
+    return PixArtSigmaPipeline(tokenizer=tokenizer, text_encoder=_t5(tokenizer, 32), vae=_sd_vae(),
+                               transformer=transformer, scheduler=DDIMScheduler())
+
+
+def _run_pixart_sigma(pipe: Any) -> Any:
+    return pipe(prompt="a squirrel", negative_prompt="blurry", num_inference_steps=2, guidance_scale=5.0,
+                height=32, width=32, max_sequence_length=16, use_resolution_binning=False,
+                generator=torch.Generator().manual_seed(0), output_type="np").images
+
+
+def _build_chroma():
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    from .tiny_pipelines import _autoencoder_kl
+
+    tokenizer = t5_tokenizer()
+    transformer = _seeded(lambda: ChromaTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_hidden_dim=32,
+        approximator_layers=1, approximator_num_channels=16,
+    ))
+    return ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_seeded(lambda: _autoencoder_kl(0.3611, 0.1159)),
+                          text_encoder=_t5(tokenizer, 32), tokenizer=tokenizer, transformer=transformer)
+
+
+def _run_chroma(pipe: Any) -> Any:
+    return pipe(prompt="a squirrel", negative_prompt="blurry", num_inference_steps=2, guidance_scale=5.0,
+                height=32, width=32, max_sequence_length=16,
+                generator=torch.Generator().manual_seed(0), output_type="np").images
+
+
 #: family name -> (builder, runner)
 FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "sd-controlnet": (_build_sd_controlnet, _run_sd_controlnet),
@@ -192,6 +243,8 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "kandinsky2.2": (_build_kandinsky22, _run_kandinsky22),
     "dit": (_build_dit, _run_dit),
     "shap-e-img2img": (_build_shap_e_img2img, _run_shap_e_img2img),
+    "pixart-sigma": (_build_pixart_sigma, _run_pixart_sigma),
+    "chroma": (_build_chroma, _run_chroma),
 }
 
 

@@ -69,6 +69,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
                 raise TypeError(f"device_memory_budget must be bytes, 'auto' or None, got {device_memory_budget!r}")
         self.device_memory_budget = device_memory_budget
         self.policy: MemoryPolicy | None = None
+        self._encoders_rest_on_device = True
 
     def audit(self) -> list[str]:
         """Every breach of the residency invariant; ``[]`` when all holds.
@@ -114,21 +115,16 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         table = WeightTable(self.mover)
         for comp in components:
             table.add(comp.name, comp.role, selected[comp.name], comp.module)
-        staged = [c for c in components if c.role in STAGE_ROLES]
-        groups = [
-            {comp.name, *(w.name for w in self._companions(comp, table.components))}
-            for comp in staged
-        ]
-        budget = self._check_budget(table, named, selected, groups)
+        budget = self._check_budget(table, named, selected, components)
 
         def install(weights: dict[str, ComponentWeights], handles: list[Any]) -> None:
-            policy = MemoryPolicy(None, self.platform, weights, groups)
+            policy = MemoryPolicy(None, self.platform, weights)
             if budget is not None:
                 policy.set_budget(budget)
                 policy.copy_stream = self.platform.new_stream()
-                floor = policy.smallest()
-                if floor[0] > budget:  # the adopted slots disagree with the plan
-                    raise BudgetTooSmallError(self.device_memory_budget, budget, *floor)
+                fixed = policy.fixed_bytes()
+                if fixed > budget:  # the adopted slots disagree with the plan
+                    raise BudgetTooSmallError(self.device_memory_budget, budget, fixed, fixed, 0, ())
             for comp in components:
                 hook = None
                 if comp.role in STAGE_ROLES:
@@ -151,19 +147,22 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         table: WeightTable,
         named: dict[str, list[tuple[str, torch.Tensor]]],
         selected: dict[str, bool],
-        groups: list[set[str]],
+        components: list[Component],
     ) -> int | None:
         """Resolve ``device_memory_budget`` to bytes and refuse one below the smallest
-        workable budget, before anything is adopted, pinned or moved.
+        workable budget, before anything is adopted, pinned or moved; decide whether the
+        selected encoders rest on the device (``_encoders_rest_on_device``: only when they
+        fit within the budget beside the bytes that always stay).
 
         Returns the budget in bytes, or None (the strict rule).
 
         Raises:
             BudgetTooSmallError (a ValueError): the budget (``"auto"`` resolved) is below
-                the bytes that always stay on the device plus the largest stage group;
-                the message names both numbers.
+                the bytes that always stay on the device (unselected components, tensors
+                shared with them); the message names both numbers.
             ValueError: a meta tensor or a tensor on a foreign device (named).
         """
+        self._encoders_rest_on_device = True
         if self.device_memory_budget is None:
             return None
         table.check_tensors(named)
@@ -173,14 +172,19 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         # what the budget is for), as it does after placement
         budget = resolve_budget(self.device_memory_budget, self.platform, on_device)
         assert budget is not None
-        floor = smallest_budget(plan, groups)
-        if floor[0] > budget:
-            raise BudgetTooSmallError(self.device_memory_budget, budget, *floor)
+        encoders = [c.name for c in components if selected[c.name] and c.role in ENCODER_ROLES]
+        resting, fixed, _, _ = smallest_budget(plan, [encoders])
+        if fixed > budget:
+            raise BudgetTooSmallError(self.device_memory_budget, budget, fixed, fixed, 0, ())
+        self._encoders_rest_on_device = resting <= budget
         return budget
 
     def _at_rest_on_host(self, weights: ComponentWeights) -> bool:
-        """Module mode: the selected DiT group (DiTs, adapters) rests on the host (the
-        encoders rest on the device until the first DiT runs)."""
+        """Module mode: the selected DiT group (DiTs, adapters) rests on the host; the
+        selected encoders rest on the device until the first DiT runs, unless a budget
+        has no room for them there."""
+        if weights.selected and weights.role in ENCODER_ROLES:
+            return not self._encoders_rest_on_device
         return weights.selected and weights.role in DIT_GROUP_ROLES
 
     def _enable_delegated(self, pipeline: SupportsModelCpuOffload) -> None:

@@ -1,0 +1,40 @@
+"""The compatibility matrix (issue 25): every family of
+``diffusion_offload.testing.pipeline_matrix`` under module mode, the legacy switch, layer
+mode and a budget of half its weight bytes, on the fake device: output bit-equal to the
+all-resident run, ``audit() == []``, 0 weight bytes D2H during the request, every selected
+component moved. A family that cannot run a mode is a documented refusal asserted here.
+``tests/pipeline_matrix_table.py`` prints the README's table from the same lists.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from diffusion_offload.testing.pipeline_matrix import FAMILIES, MODES, check, reference
+from diffusion_offload.testing.pytest_plugin import requires_fake
+
+pytestmark = [requires_fake, pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+#: (family, mode) -> a phrase of the refusal enable() raises
+REFUSED = {
+    # DiTTransformer2DModel runs transformer_blocks[0].norm1.emb outside the block
+    ("dit", "layer"): "has no discoverable blocks",
+}
+
+_REFS: dict[str, object] = {}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matrix_cell(fake_device, family, mode):
+    if family not in _REFS:
+        _REFS[family] = reference(family, fake_device)
+    cell = check(family, mode, fake_device, _REFS[family])
+    if (family, mode) in REFUSED:
+        assert cell.refused is not None and REFUSED[(family, mode)] in cell.refused
+        return
+    assert cell.refused is None
+    assert cell.max_abs_diff == 0.0
+    assert cell.audit == []
+    assert cell.weight_d2h_bytes == 0
+    assert cell.selected and cell.not_moved == []
