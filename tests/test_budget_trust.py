@@ -162,6 +162,7 @@ def test_lora_load_and_fuse_between_requests_with_the_text_encoders_in_flight(fa
     assert _races() == 0
 
 
+@pytest.mark.slow  # wall-clock overlap (sleeps): CI's slow run
 def test_the_decode_still_overlaps_the_text_encoder_prefetch(fake_device):
     """Ordering the caller after the prefetch waits at the end of the decode, not before
     it: the copy is still in flight when the decode's compute starts, and a 0.6 s copy

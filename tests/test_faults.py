@@ -109,17 +109,29 @@ def _encoder_call(pipe, device):
         pipe.encoders["text"](ids.to(device))
 
 
+#: the README's test command interrupts at every third move (and the last one); the
+#: ``full`` run at every move
+SWEEPS = ["sample", pytest.param("full", marks=pytest.mark.full)]
+
+
+def _ks(n: int, sweep: str) -> list[int]:
+    """The moves to interrupt after, of ``n``: all of them (``full``), or every third
+    and the last (``sample``)."""
+    return list(range(1, n + 1)) if sweep == "full" else sorted({*range(1, n + 1, 3), n})
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
 @pytest.mark.parametrize(
     "stage, call, what",
     [("encoders", _dit_call, "load of a DiT (after evicting the encoders)"),
      ("dit", _encoder_call, "eviction of a DiT (then the encoders load)")],
 )
-def test_interrupt_in_activation_after_every_move(fake_device, monkeypatch, stage, call, what):
+def test_interrupt_in_activation_after_every_move(fake_device, monkeypatch, stage, call, what, sweep):
     ref = _reference(fake_device)
     probe, _ = _prepared(fake_device, stage)
     n = _count_moves(monkeypatch, lambda: call(probe, fake_device))
     assert n >= 4, what
-    for k in range(1, n + 1):
+    for k in _ks(n, sweep):
         gc.collect()  # the previous iteration's pipeline (hooks form collectable cycles)
         base = set(fa.live_storages())
         pipe, backend = _prepared(fake_device, stage)
@@ -135,8 +147,9 @@ def test_interrupt_in_activation_after_every_move(fake_device, monkeypatch, stag
         del pipe, backend
 
 
+@pytest.mark.parametrize("sweep", SWEEPS)
 @pytest.mark.parametrize("start", ["host", "device"])
-def test_interrupt_in_enable_after_every_move(fake_device, monkeypatch, start):
+def test_interrupt_in_enable_after_every_move(fake_device, monkeypatch, start, sweep):
     ref = _reference(fake_device)
 
     def fresh():
@@ -148,7 +161,7 @@ def test_interrupt_in_enable_after_every_move(fake_device, monkeypatch, start):
     probe = fresh()
     n = _count_moves(monkeypatch, lambda: ModelLevelOffloadBackend(FULL, fake_device).enable(probe))
     assert n >= 4
-    for k in range(1, n + 1):
+    for k in _ks(n, sweep):
         gc.collect()
         base = set(fa.live_storages())
         pipe = fresh()

@@ -359,6 +359,7 @@ def test_a_mover_that_frees_a_prefetched_block_unrecorded_is_caught(fake_device,
     assert _races() >= 1
 
 
+@pytest.mark.slow  # wall-clock overlap (sleeps): CI's slow run
 def test_prefetch_overlaps_copies_with_compute(fake_device):
     """16 equal blocks; each block's compute stands for 100 ms of device time (a sleep, as
     a GPU kernel would take, so the measurement does not depend on this machine's load)

@@ -489,9 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", metavar="PATH",
                      help="an image to edit (PNG, JPEG or WebP): image-to-image with the "
                           "model's variant, or the model itself for edit and image-to-video "
-                          "models; --param strength=0.8 sets how much changes")
+                          "models; --param strength=0.8 sets how much changes (default: none, "
+                          "text to image or video)")
     gen.add_argument("--mask", metavar="PATH",
-                     help="with --image: inpaint where the mask is white")
+                     help="with --image: inpaint where the mask is white (default: none, "
+                          "the whole image is edited)")
     gen.add_argument("--output", metavar="FILE",
                      help=".png for image models, .mp4 or .gif for video models "
                           "(default: output.mp4 or output.png)")
@@ -514,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a pipeline knob by name, repeatable: any JSON-valued argument of "
                           "the pipeline's __call__ (true_cfg_scale=4, max_sequence_length=256, "
                           "sigmas=[1.0,0.5]), or flow_shift / boundary_ratio / guidance_scale_2; "
-                          "checked as serve checks request fields")
+                          "checked as serve checks request fields (default: none, the "
+                          "pipeline's own defaults)")
     gen.add_argument("--fps", type=_int("--fps", 1, 240), metavar="N",
                      help="frames per second of the written video (default: 16)")
     gen.add_argument("--report", metavar="FILE.json",
