@@ -63,8 +63,9 @@ class Request:
         num_frames: frames of a video (None for image pipelines).
         steps: denoising steps.
         cfg: classifier-free guidance on (two denoiser passes per step, or batch 2);
-            None: the pipeline's behaviour with a negative prompt given and its default
-            guidance (Wan, SD3, Qwen-Image: on; FLUX.1-dev, guidance-distilled: off).
+            None: what the engine runs for a request with a negative prompt: on for every
+            family (FLUX.1-dev, guidance-distilled, runs true CFG because the engine gives a
+            negative prompt ``true_cfg_scale`` 4.0, ``engine.knobs.DEFAULT_TRUE_CFG_SCALE``).
         max_sequence_length: text tokens of the T5/UMT5 encoders (None: the pipeline's
             default: Wan 512, FLUX 512, SD3 256, Qwen-Image 512 for the denoiser; Qwen-Image's
             encoder reads up to 1024 + 34 template tokens).
@@ -302,7 +303,7 @@ def _flux(pm: PlanModel, req: Request, run: _Run) -> None:
     m = pm.modules
     clip, t5, dit, vae = m["text_encoder"], m["text_encoder_2"], m["transformer"], m["vae"]
     length = req.max_sequence_length or 512
-    cfg = False if req.cfg is None else req.cfg  # true CFG needs true_cfg_scale > 1
+    cfg = True if req.cfg is None else req.cfg  # a negative prompt gets true_cfg_scale 4.0
     prompts = []
     for _ in range(2 if cfg else 1):
         run.use("text_encoder")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..models.caches import clear_method_caches
 from . import tiny_families, tiny_pipelines
 
 __all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference"]
@@ -115,7 +116,11 @@ def _quiet(fn: Callable[[], Any]) -> Any:
 def reference(family: str, device: torch.device) -> np.ndarray:
     """The family's all-resident output on ``device`` (float64)."""
     fam = FAMILIES[family]
-    return _quiet(lambda: fam.run(fam.build().to(device)))
+    pipe = fam.build().to(device)
+    try:
+        return _quiet(lambda: fam.run(pipe))
+    finally:
+        clear_method_caches(pipe)  # QwenEmbedRope memoizes device tensors per (self, device)
 
 
 def _weight_bytes(pipe: Any) -> int:
@@ -191,4 +196,5 @@ def check(family: str, mode: str, device: torch.device, ref: np.ndarray) -> Cell
         cell.not_moved = sorted(n for n in cell.selected if n not in rested or n not in ran)
     finally:
         backend.disable()
+        clear_method_caches(pipe)
     return cell
