@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..models.caches import clear_method_caches
-from . import tiny_families, tiny_pipelines
+from . import tiny_families, tiny_pipelines, tiny_video_families
 
 __all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference"]
 
@@ -54,6 +54,10 @@ def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
     return (lambda: tiny_families.build(name)), (lambda pipe: tiny_families.run(name, pipe).numpy())
 
 
+def _video_family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
+    return (lambda: tiny_video_families.build(name)), (lambda pipe: tiny_video_families.run(name, pipe).numpy())
+
+
 FAMILIES: dict[str, Family] = {
     "wan2.1": Family("Wan2.1", "WanPipeline", *_kind("wan2.1")),
     "wan2.2": Family("Wan2.2 T2V", "WanPipeline", *_kind("wan2.2")),
@@ -65,6 +69,12 @@ FAMILIES: dict[str, Family] = {
     "sd-controlnet": Family("SD 1.x + ControlNet", "StableDiffusionControlNetPipeline", *_family("sd-controlnet")),
     "kandinsky2.2": Family("Kandinsky 2.2 decoder", "KandinskyV22Pipeline", *_family("kandinsky2.2")),
     "dit": Family("DiT (class-conditional)", "DiTPipeline", *_family("dit")),
+    "hunyuan-video": Family("HunyuanVideo", "HunyuanVideoPipeline", *_video_family("hunyuan-video")),
+    "ltx-video": Family("LTX-Video", "LTXPipeline", *_video_family("ltx-video")),
+    "cogvideox": Family("CogVideoX", "CogVideoXPipeline", *_video_family("cogvideox")),
+    "mochi": Family("Mochi", "MochiPipeline", *_video_family("mochi")),
+    "skyreels-v2": Family("SkyReels-V2", "SkyReelsV2Pipeline", *_video_family("skyreels-v2")),
+    "animatediff": Family("AnimateDiff", "AnimateDiffPipeline", *_video_family("animatediff")),
 }
 """Family key -> ``Family``, in the README's order."""
 

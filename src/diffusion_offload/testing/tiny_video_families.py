@@ -1,0 +1,272 @@
+"""Tiny random pipelines of diffusers' video families, for the compatibility matrix.
+
+Same interface as ``tiny_families``: ``build(name) -> pipe`` (on the host, random weights
+seeded per component, our own tokenizers from ``tiny_tokenizers``, built offline) and
+``run(name, pipe) -> torch.Tensor`` (the pipeline's ``output_type="np"`` frames as a float64
+host tensor, shape ``(1, F, H, W, 3)``, two denoising steps, fixed seeds).
+
+Families (``FAMILIES``), each as small as its diffusers 0.42 classes allow:
+
+- ``"hunyuan-video"``: ``HunyuanVideoPipeline`` (Llama + CLIP text encoders).
+- ``"ltx-video"``: ``LTXPipeline`` (T5 text encoder, ``AutoencoderKLLTX``).
+- ``"cogvideox"``: ``CogVideoXPipeline`` (T5, ``AutoencoderKLCogVideoX``).
+- ``"mochi"``: ``MochiPipeline`` (T5, ``AutoencoderKLMochi``; the DiT runs under
+  ``torch.autocast``).
+- ``"skyreels-v2"``: ``SkyReelsV2Pipeline`` (T5, the Wan VAE).
+- ``"animatediff"``: ``AnimateDiffPipeline`` (an SD UNet with a ``MotionAdapter``, CLIP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .tiny_tokenizers import clip_tokenizer, qwen2_tokenizer, t5_tokenizer
+
+__all__ = ["FAMILIES", "build", "run"]
+
+
+def _seeded(factory: Callable[[], Any]) -> Any:
+    torch.manual_seed(0)
+    return factory()
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(0)
+
+
+def _t5(tokenizer: Any, d_model: int = 32) -> Any:
+    from .tiny_pipelines import _t5_encoder
+
+    return _seeded(lambda: _t5_encoder(len(tokenizer), d_model).eval())
+
+
+def _clip_text(tokenizer: Any, hidden: int) -> Any:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return _seeded(lambda: CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=hidden, intermediate_size=37,
+        num_attention_heads=4, num_hidden_layers=2, vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+    )).eval())
+
+
+# --------------------------------------------------------------------------- HunyuanVideo
+
+
+def _llama(tokenizer: Any, hidden: int) -> Any:
+    from transformers import LlamaConfig, LlamaModel
+
+    pad = tokenizer.pad_token_id
+    return _seeded(lambda: LlamaModel(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=pad, eos_token_id=pad, pad_token_id=pad,
+    )).eval())
+
+
+def _build_hunyuan_video():
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
+                           HunyuanVideoTransformer3DModel)
+
+    transformer = _seeded(lambda: HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=2,
+        num_single_layers=2, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+    ))
+    vae = _seeded(lambda: AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8, temporal_compression_ratio=4,
+        mid_block_add_attention=True,
+    ))
+    tokenizer, tokenizer_2 = qwen2_tokenizer(), clip_tokenizer()
+    return HunyuanVideoPipeline(
+        text_encoder=_llama(tokenizer, 16), tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=_clip_text(tokenizer_2, 8),
+        tokenizer_2=tokenizer_2,
+    )
+
+
+def _run_hunyuan_video(pipe: Any) -> Any:
+    return pipe(prompt="a cat", prompt_template={"template": "{}", "crop_start": 0}, num_inference_steps=2,
+                guidance_scale=4.5, height=16, width=16, num_frames=5, max_sequence_length=16,
+                generator=_generator(), output_type="np").frames
+
+
+# --------------------------------------------------------------------------- LTX-Video
+
+
+def _build_ltx_video():
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    transformer = _seeded(lambda: LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4, attention_head_dim=8,
+        cross_attention_dim=32, num_layers=2, caption_channels=32,
+    ))
+    vae = _seeded(lambda: AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1), patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False,
+    ))
+    vae.use_framewise_encoding = False
+    vae.use_framewise_decoding = False
+    tokenizer = t5_tokenizer()
+    return LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_t5(tokenizer),
+                       tokenizer=tokenizer, transformer=transformer)
+
+
+def _run_ltx_video(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=3.0, height=32,
+                width=32, num_frames=9, max_sequence_length=16, generator=_generator(), output_type="np").frames
+
+
+# --------------------------------------------------------------------------- CogVideoX
+
+
+def _build_cogvideox():
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXPipeline, CogVideoXTransformer3DModel, DDIMScheduler
+
+    transformer = _seeded(lambda: CogVideoXTransformer3DModel(
+        num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=2,
+        text_embed_dim=32, num_layers=2, sample_width=2, sample_height=2, sample_frames=9, patch_size=2,
+        temporal_compression_ratio=4, max_text_seq_length=16,
+    ))
+    vae = _seeded(lambda: AutoencoderKLCogVideoX(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
+        layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+    ))
+    tokenizer = t5_tokenizer()
+    return CogVideoXPipeline(tokenizer=tokenizer, text_encoder=_t5(tokenizer), vae=vae, transformer=transformer,
+                             scheduler=DDIMScheduler())
+
+
+def _run_cogvideox(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=6.0, height=16,
+                width=16, num_frames=8, max_sequence_length=16, generator=_generator(), output_type="np").frames
+
+
+# --------------------------------------------------------------------------- Mochi
+
+
+def _build_mochi():
+    from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline, MochiTransformer3DModel
+
+    def transformer_factory():
+        model = MochiTransformer3DModel(
+            patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2, pooled_projection_dim=16,
+            in_channels=12, out_channels=None, qk_norm="rms_norm", text_embed_dim=32, time_embed_dim=4,
+            activation_fn="swiglu", max_sequence_length=16,
+        )
+        with torch.no_grad():  # diffusers' own tests zero the RoPE frequencies too (random ones overflow)
+            model.pos_frequencies.zero_()
+        return model
+
+    vae = _seeded(lambda: AutoencoderKLMochi(
+        latent_channels=12, out_channels=3, encoder_block_out_channels=(32, 32, 32, 32),
+        decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+    ))
+    tokenizer = t5_tokenizer()
+    return MochiPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_t5(tokenizer),
+                         tokenizer=tokenizer, transformer=_seeded(transformer_factory))
+
+
+def _run_mochi(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=4.5, height=16,
+                width=16, num_frames=7, max_sequence_length=16, generator=_generator(), output_type="np").frames
+
+
+# --------------------------------------------------------------------------- SkyReels-V2
+
+
+def _build_skyreels_v2():
+    from diffusers import SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+
+    from .tiny_pipelines import _wan_vae
+
+    transformer = _seeded(lambda: SkyReelsV2Transformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ))
+    tokenizer = t5_tokenizer()
+    return SkyReelsV2Pipeline(tokenizer=tokenizer, text_encoder=_t5(tokenizer), transformer=transformer,
+                              vae=_seeded(_wan_vae), scheduler=UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True))
+
+
+def _run_skyreels_v2(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=6.0, height=16,
+                width=16, num_frames=9, max_sequence_length=16, generator=_generator(), output_type="np").frames
+
+
+# --------------------------------------------------------------------------- AnimateDiff
+
+
+def _build_animatediff():
+    from diffusers import (AnimateDiffPipeline, AutoencoderKL, DDIMScheduler, MotionAdapter,
+                           UNet2DConditionModel)
+
+    unet = _seeded(lambda: UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=2, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32, norm_num_groups=2,
+    ))
+    vae = _seeded(lambda: AutoencoderKL(
+        block_out_channels=[8, 16], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=2,
+    ))
+    motion_adapter = _seeded(lambda: MotionAdapter(
+        block_out_channels=(8, 16), motion_layers_per_block=2, motion_norm_num_groups=2,
+        motion_num_attention_heads=2,
+    ))
+    tokenizer = clip_tokenizer()
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="linear", clip_sample=False)
+    return AnimateDiffPipeline(vae=vae, text_encoder=_clip_text(tokenizer, 32), tokenizer=tokenizer, unet=unet,
+                               motion_adapter=motion_adapter, scheduler=scheduler, feature_extractor=None,
+                               image_encoder=None)
+
+
+def _run_animatediff(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", num_frames=4, height=32, width=32, num_inference_steps=2,
+                guidance_scale=7.5, generator=_generator(), output_type="np").frames
+
+
+#: family name -> (builder, runner)
+FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
+    "hunyuan-video": (_build_hunyuan_video, _run_hunyuan_video),
+    "ltx-video": (_build_ltx_video, _run_ltx_video),
+    "cogvideox": (_build_cogvideox, _run_cogvideox),
+    "mochi": (_build_mochi, _run_mochi),
+    "skyreels-v2": (_build_skyreels_v2, _run_skyreels_v2),
+    "animatediff": (_build_animatediff, _run_animatediff),
+}
+
+
+def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    if name not in FAMILIES:
+        raise ValueError(f"family={name!r} is not a tiny video family; allowed: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def build(name: str) -> Any:
+    """A new tiny random pipeline of video family ``name`` on the host (progress bar off).
+
+    Raises:
+        ValueError: ``name`` is not in ``FAMILIES``.
+    """
+    pipe = _family(name)[0]()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run(name: str, pipe: Any) -> torch.Tensor:
+    """Call ``pipe`` (a family ``name`` pipeline) with fixed seeds and two steps; returns its
+    frames as a float64 host tensor ``(1, F, H, W, 3)`` in [0, 1].
+
+    Raises:
+        ValueError: ``name`` is not in ``FAMILIES``.
+    """
+    out = _family(name)[1](pipe)
+    return torch.as_tensor(out).detach().to("cpu", torch.float64)
