@@ -70,11 +70,13 @@ FAMILIES: dict[str, Family] = {
     "kandinsky2.2": Family("Kandinsky 2.2 decoder", "KandinskyV22Pipeline", *_family("kandinsky2.2")),
     "dit": Family("DiT (class-conditional)", "DiTPipeline", *_family("dit")),
     "hunyuan-video": Family("HunyuanVideo", "HunyuanVideoPipeline", *_video_family("hunyuan-video")),
+    "hunyuan-video-1.5": Family("HunyuanVideo 1.5", "HunyuanVideo15Pipeline", *_video_family("hunyuan-video-1.5")),
     "ltx-video": Family("LTX-Video", "LTXPipeline", *_video_family("ltx-video")),
     "cogvideox": Family("CogVideoX", "CogVideoXPipeline", *_video_family("cogvideox")),
     "mochi": Family("Mochi", "MochiPipeline", *_video_family("mochi")),
     "skyreels-v2": Family("SkyReels-V2", "SkyReelsV2Pipeline", *_video_family("skyreels-v2")),
     "animatediff": Family("AnimateDiff", "AnimateDiffPipeline", *_video_family("animatediff")),
+    "kandinsky5": Family("Kandinsky 5 (T2V)", "Kandinsky5T2VPipeline", *_video_family("kandinsky5")),
 }
 """Family key -> ``Family``, in the README's order."""
 

@@ -156,7 +156,7 @@ def _build_mochi():
 
     def transformer_factory():
         model = MochiTransformer3DModel(
-            patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2, pooled_projection_dim=16,
+            patch_size=2, num_attention_heads=4, attention_head_dim=32, num_layers=3, pooled_projection_dim=16,
             in_channels=12, out_channels=None, qk_norm="rms_norm", text_embed_dim=32, time_embed_dim=4,
             activation_fn="swiglu", max_sequence_length=16,
         )
@@ -164,6 +164,8 @@ def _build_mochi():
             model.pos_frequencies.zero_()
         return model
 
+    # the VAE's group norms need 32 channels: the DiT is wider so that half of the weights
+    # (the matrix's budget) holds the VAE that stays on the device
     vae = _seeded(lambda: AutoencoderKLMochi(
         latent_channels=12, out_channels=3, encoder_block_out_channels=(32, 32, 32, 32),
         decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
@@ -233,14 +235,110 @@ def _run_animatediff(pipe: Any) -> Any:
                 guidance_scale=7.5, generator=_generator(), output_type="np").frames
 
 
+# --------------------------------------------------------------------------- HunyuanVideo 1.5
+
+#: a ChatML template for the tiny Qwen2 tokenizer (HunyuanVideo 1.5 calls ``apply_chat_template``)
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _qwen2_5_vl_text(tokenizer: Any, hidden: int) -> Any:
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    pad = tokenizer.pad_token_id
+    return _seeded(lambda: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, bos_token_id=pad, eos_token_id=pad, pad_token_id=pad,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
+    )).eval())
+
+
+def _build_hunyuan_video15():
+    from diffusers import (AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
+                           HunyuanVideo15Transformer3DModel)
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    transformer = _seeded(lambda: HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+        num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16, text_embed_2_dim=32,
+        image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
+    ).eval())
+    vae = _seeded(lambda: AutoencoderKLHunyuanVideo15(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 16), layers_per_block=1,
+        spatial_compression_ratio=4, temporal_compression_ratio=2, downsample_match_channel=False,
+        upsample_match_channel=False,
+    ).eval())
+    tokenizer = qwen2_tokenizer()
+    tokenizer.chat_template = _CHATML
+    tokenizer_2 = ByT5Tokenizer()  # byte-level: no vocabulary file
+    text_encoder_2 = _seeded(lambda: T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+    )).eval())
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=_qwen2_5_vl_text(tokenizer, 16), tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=4.0),
+    )
+    pipe.tokenizer_max_length, pipe.tokenizer_2_max_length = 16, 16  # 1000 and 256 text tokens otherwise
+    # the pipeline drops the chat template's system prefix by token count (108 with the real tokenizer)
+    prefix = tokenizer.apply_chat_template([{"role": "system", "content": pipe.system_message}], tokenize=False)
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix + "<|im_start|>user\n")["input_ids"])
+    return pipe
+
+
+def _run_hunyuan_video15(pipe: Any) -> Any:
+    # the quoted word is the glyph text that text_encoder_2 (ByT5) encodes; without one it does not run
+    return pipe(prompt='a cat with a sign that says "cat"', negative_prompt="blurry", num_inference_steps=2,
+                height=16, width=16, num_frames=5, generator=_generator(), output_type="np").frames
+
+
+# --------------------------------------------------------------------------- Kandinsky 5
+
+
+def _build_kandinsky5():
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline,
+                           Kandinsky5Transformer3DModel)
+
+    from .tiny_pipelines import _qwen2_5_vl_encoder
+
+    vae = _seeded(lambda: AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, spatial_compression_ratio=8, temporal_compression_ratio=4, latent_channels=4,
+        block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+    ).eval())
+    transformer = _seeded(lambda: Kandinsky5Transformer3DModel(
+        in_visual_dim=4, in_text_dim=32, in_text_dim2=32, time_dim=32, out_visual_dim=4, patch_size=(1, 2, 2),
+        model_dim=48, ff_dim=128, num_text_blocks=1, num_visual_blocks=2, axes_dims=(8, 8, 8), visual_cond=False,
+    ).eval())
+    tokenizer, tokenizer_2 = qwen2_tokenizer(), clip_tokenizer()
+    pipe = Kandinsky5T2VPipeline(
+        transformer=transformer, vae=vae, text_encoder=_seeded(lambda: _qwen2_5_vl_encoder(tokenizer).eval()),
+        tokenizer=tokenizer, text_encoder_2=_clip_text(tokenizer_2, 32), tokenizer_2=tokenizer_2,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+    # the pipeline drops the template's system prefix by token count (128 with the real tokenizer)
+    prefix = pipe.prompt_template.split("{}")[0]
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix)["input_ids"])
+    return pipe
+
+
+def _run_kandinsky5(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=5.0, height=32,
+                width=32, num_frames=5, max_sequence_length=16, generator=_generator(), output_type="np").frames
+
+
 #: family name -> (builder, runner)
 FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "hunyuan-video": (_build_hunyuan_video, _run_hunyuan_video),
+    "hunyuan-video-1.5": (_build_hunyuan_video15, _run_hunyuan_video15),
     "ltx-video": (_build_ltx_video, _run_ltx_video),
     "cogvideox": (_build_cogvideox, _run_cogvideox),
     "mochi": (_build_mochi, _run_mochi),
     "skyreels-v2": (_build_skyreels_v2, _run_skyreels_v2),
     "animatediff": (_build_animatediff, _run_animatediff),
+    "kandinsky5": (_build_kandinsky5, _run_kandinsky5),
 }
 
 
