@@ -88,3 +88,18 @@ def test_table_wins_and_small_containers_are_not_blocks():
             self.other = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
 
     assert block_attrs(WanTransformer3DModel()) == (("blocks",), "table")
+
+
+def test_table_streams_hunyuan_video_15_blocks_that_hold_under_half_its_bytes():
+    # a 2-layer HunyuanVideo 1.5 DiT: its token refiner and embedders outweigh the double
+    # stream blocks, so discovery finds nothing; the table names them
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(0)
+    model = HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+        num_refiner_layers=1, mlp_ratio=2.0, text_embed_dim=16, text_embed_2_dim=32, image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
+    )
+    assert block_attrs(model) == (("transformer_blocks",), "table")
+    assert [name for name, _ in discover_blocks(model)] == ["transformer_blocks.0", "transformer_blocks.1"]

@@ -28,7 +28,7 @@ layers of the language model that Qwen-Image uses as its text encoder; the visio
 stays resident).
 
 The table also lists the other diffusers 0.42 transformers of the families layer mode is
-tested on (HunyuanVideo, LTX, LTX-2, CogVideoX, Sana, PixArt, Chroma, Lumina2, HiDream,
+tested on (HunyuanVideo, HunyuanVideo 1.5, LTX, LTX-2, CogVideoX, Sana, PixArt, Chroma, Lumina2, HiDream,
 FLUX.2, Mochi, SkyReels-V2, Kandinsky 5, Z-Image) and the decoder LLMs used as text encoders
 (Llama, Gemma, Gemma 2, Qwen3, GLM, Mistral 3), so that where a forward runs its containers
 out of definition order (Lumina2: ``context_refiner`` before ``noise_refiner``) the first
@@ -66,6 +66,7 @@ BUILTIN_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
     "SD3Transformer2DModel": ("transformer_blocks",),
     "QwenImageTransformer2DModel": ("transformer_blocks",),
     "HunyuanVideoTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "HunyuanVideo15Transformer3DModel": ("transformer_blocks",),
     "LTXVideoTransformer3DModel": ("transformer_blocks",),
     "LTX2VideoTransformer3DModel": ("transformer_blocks",),
     "CogVideoXTransformer3DModel": ("transformer_blocks",),

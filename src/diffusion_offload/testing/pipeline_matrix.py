@@ -72,6 +72,7 @@ FAMILIES: dict[str, Family] = {
     "hunyuan-video": Family("HunyuanVideo", "HunyuanVideoPipeline", *_video_family("hunyuan-video")),
     "hunyuan-video-1.5": Family("HunyuanVideo 1.5", "HunyuanVideo15Pipeline", *_video_family("hunyuan-video-1.5")),
     "ltx-video": Family("LTX-Video", "LTXPipeline", *_video_family("ltx-video")),
+    "ltx2": Family("LTX-2", "LTX2Pipeline", *_video_family("ltx2")),
     "cogvideox": Family("CogVideoX", "CogVideoXPipeline", *_video_family("cogvideox")),
     "mochi": Family("Mochi", "MochiPipeline", *_video_family("mochi")),
     "skyreels-v2": Family("SkyReels-V2", "SkyReelsV2Pipeline", *_video_family("skyreels-v2")),

@@ -329,11 +329,93 @@ def _run_kandinsky5(pipe: Any) -> Any:
                 width=32, num_frames=5, max_sequence_length=16, generator=_generator(), output_type="np").frames
 
 
+# --------------------------------------------------------------------------- LTX-2
+
+
+def _gemma3(tokenizer: Any, hidden: int, layers: int) -> Any:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    pad = tokenizer.pad_token_id
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": 32, "num_hidden_layers": layers,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 256,
+            "sliding_window": 16, "bos_token_id": pad, "eos_token_id": pad, "pad_token_id": pad,
+        },
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 16, "patch_size": 4},
+        mm_tokens_per_image=4,
+    )
+    return _seeded(lambda: Gemma3ForConditionalGeneration(config).eval())
+
+
+def _build_ltx2():
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    tokenizer = qwen2_tokenizer()
+    text_hidden, text_layers = 32, 2  # the connectors (4 heads x 8) take the caption width as is
+    transformer = _seeded(lambda: LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+        caption_channels=text_hidden, rope_double_precision=False, rope_type="split",
+    ))
+    connectors = _seeded(lambda: LTX2TextConnectors(
+        caption_channels=text_hidden, text_proj_in_factor=text_layers + 1, video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_theta=10000.0,
+        rope_double_precision=False, causal_temporal_positioning=False, rope_type="split",
+    ))
+
+    def vae_factory():
+        vae = AutoencoderKLLTX2Video(
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+            layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+            decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+            upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1,
+            patch_size_t=1, encoder_causal=True, decoder_causal=False,
+        )
+        vae.use_framewise_encoding = False
+        vae.use_framewise_decoding = False
+        return vae
+
+    audio_vae = _seeded(lambda: AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
+    ))
+    vocoder = _seeded(lambda: LTX2Vocoder(
+        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000,
+    ))
+    return LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_seeded(vae_factory), audio_vae=audio_vae,
+        text_encoder=_gemma3(tokenizer, text_hidden, text_layers), tokenizer=tokenizer, connectors=connectors,
+        transformer=transformer, vocoder=vocoder, processor=None, prompt_enhancer=None, duration_head=None,
+    )
+
+
+def _run_ltx2(pipe: Any) -> Any:
+    # classifier-free guidance on, the other guidance terms off (diffusers' own fast test pins them likewise)
+    return pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=3.0, stg_scale=0.0,
+                modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=3.0, audio_stg_scale=0.0,
+                audio_modality_scale=1.0, audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None,
+                use_cross_timestep=False, height=32, width=32, num_frames=5, frame_rate=25.0,
+                max_sequence_length=16, generator=_generator(), output_type="np").frames
+
+
 #: family name -> (builder, runner)
 FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "hunyuan-video": (_build_hunyuan_video, _run_hunyuan_video),
     "hunyuan-video-1.5": (_build_hunyuan_video15, _run_hunyuan_video15),
     "ltx-video": (_build_ltx_video, _run_ltx_video),
+    "ltx2": (_build_ltx2, _run_ltx2),
     "cogvideox": (_build_cogvideox, _run_cogvideox),
     "mochi": (_build_mochi, _run_mochi),
     "skyreels-v2": (_build_skyreels_v2, _run_skyreels_v2),
