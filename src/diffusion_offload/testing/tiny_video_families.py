@@ -3,7 +3,7 @@
 Same interface as ``tiny_families``: ``build(name) -> pipe`` (on the host, random weights
 seeded per component, our own tokenizers from ``tiny_tokenizers``, built offline) and
 ``run(name, pipe) -> torch.Tensor`` (the pipeline's ``output_type="np"`` frames as a float64
-host tensor, shape ``(1, F, H, W, 3)``, two denoising steps, fixed seeds).
+host tensor, shape ``(1, F, H, W, 3)`` (LTX-2: see below), two denoising steps, fixed seeds).
 
 Families (``FAMILIES``), each as small as its diffusers 0.42 classes allow:
 
@@ -13,7 +13,7 @@ Families (``FAMILIES``), each as small as its diffusers 0.42 classes allow:
   template, ByT5 glyph encoder: the prompt quotes a word so that it runs).
 - ``"ltx-video"``: ``LTXPipeline`` (T5 text encoder, ``AutoencoderKLLTXVideo``).
 - ``"ltx2"``: ``LTX2Pipeline`` (Gemma 3 text encoder, text connectors, video and audio VAEs,
-  vocoder; returns the video frames).
+  vocoder); ``run`` returns the frames and the audio waveform, flattened into one vector.
 - ``"cogvideox"``: ``CogVideoXPipeline`` (T5, ``AutoencoderKLCogVideoX``).
 - ``"mochi"``: ``MochiPipeline`` (T5, ``AutoencoderKLMochi``; the DiT runs under
   ``torch.autocast``).
@@ -320,10 +320,22 @@ def _build_kandinsky5():
         in_channels=3, out_channels=3, spatial_compression_ratio=8, temporal_compression_ratio=4, latent_channels=4,
         block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
     ).eval())
-    transformer = _seeded(lambda: Kandinsky5Transformer3DModel(
-        in_visual_dim=4, in_text_dim=32, in_text_dim2=32, time_dim=32, out_visual_dim=4, patch_size=(1, 2, 2),
-        model_dim=48, ff_dim=128, num_text_blocks=1, num_visual_blocks=2, axes_dims=(8, 8, 8), visual_cond=False,
-    ).eval())
+    def transformer_factory():
+        model = Kandinsky5Transformer3DModel(
+            in_visual_dim=4, in_text_dim=32, in_text_dim2=32, time_dim=32, out_visual_dim=4, patch_size=(1, 2, 2),
+            model_dim=48, ff_dim=128, num_text_blocks=1, num_visual_blocks=2, axes_dims=(8, 8, 8),
+            visual_cond=False,
+        ).eval()
+        # its modulations start at zero (every block's gates closed: the output would not
+        # depend on the blocks or the text); random ones make every block count
+        with torch.no_grad():
+            for module in model.modules():
+                if type(module).__name__ == "Kandinsky5Modulation":
+                    torch.nn.init.normal_(module.out_layer.weight, std=0.1)
+                    torch.nn.init.normal_(module.out_layer.bias, std=0.1)
+        return model
+
+    transformer = _seeded(transformer_factory)
     tokenizer, tokenizer_2 = qwen2_tokenizer(), clip_tokenizer()
     pipe = Kandinsky5T2VPipeline(
         transformer=transformer, vae=vae, text_encoder=_seeded(lambda: _qwen2_5_vl_encoder(tokenizer).eval()),
@@ -415,11 +427,13 @@ def _build_ltx2():
 
 def _run_ltx2(pipe: Any) -> Any:
     # classifier-free guidance on, the other guidance terms off (diffusers' own fast test pins them likewise)
-    return pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=3.0, stg_scale=0.0,
+    out = pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, guidance_scale=3.0, stg_scale=0.0,
                 modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=3.0, audio_stg_scale=0.0,
                 audio_modality_scale=1.0, audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None,
                 use_cross_timestep=False, height=32, width=32, num_frames=5, frame_rate=25.0,
-                max_sequence_length=16, generator=_generator(), output_type="np").frames
+                max_sequence_length=16, generator=_generator(), output_type="np")
+    # the frames, then the audio waveform (audio_vae and vocoder decode it)
+    return torch.cat([torch.as_tensor(out.frames).flatten(), torch.as_tensor(out.audio).flatten().float()])
 
 
 #: family name -> (builder, runner)
@@ -455,7 +469,8 @@ def build(name: str) -> Any:
 
 def run(name: str, pipe: Any) -> torch.Tensor:
     """Call ``pipe`` (a family ``name`` pipeline) with fixed seeds and two steps; returns its
-    frames as a float64 host tensor ``(1, F, H, W, 3)`` in [0, 1].
+    frames as a float64 host tensor ``(1, F, H, W, 3)`` in [0, 1] (``"ltx2"``: the frames
+    and the audio waveform, flattened and concatenated).
 
     Raises:
         ValueError: ``name`` is not in ``FAMILIES``.
