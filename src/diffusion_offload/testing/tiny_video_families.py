@@ -433,7 +433,8 @@ def _run_ltx2(pipe: Any) -> Any:
                 use_cross_timestep=False, height=32, width=32, num_frames=5, frame_rate=25.0,
                 max_sequence_length=16, generator=_generator(), output_type="np")
     # the frames, then the audio waveform (audio_vae and vocoder decode it)
-    return torch.cat([torch.as_tensor(out.frames).flatten(), torch.as_tensor(out.audio).flatten().float()])
+    audio = torch.as_tensor(out.audio).detach().to("cpu", torch.float32)  # the pipeline leaves it on its device
+    return torch.cat([torch.as_tensor(out.frames).flatten(), audio.flatten()])
 
 
 #: family name -> (builder, runner)
