@@ -18,7 +18,7 @@ from torch import nn
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
 from diffusion_offload.core.discovery import SupportsComponentDiscovery
 from diffusion_offload.core.hooks import get_hook
-from diffusion_offload.models.caches import clear_method_caches
+from diffusion_offload.core.caches import clear_method_caches
 from diffusion_offload.core.streamer import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines

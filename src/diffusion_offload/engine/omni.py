@@ -22,7 +22,7 @@ from ..core.platform import Platform, normalize_device, platform_for
 from ..core.stats import TransferStats
 from ..core.tiers import auto_host_budget, check_budget
 from ..models.fit import Footprint, check_fit
-from ..models.caches import clear_method_caches
+from ..core.caches import clear_method_caches
 from ..models.files import ModelInfo, inspect_model, resolve_model
 from .knobs import knob_table
 from .params import GenerationOutput, SamplingParams

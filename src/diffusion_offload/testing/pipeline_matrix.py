@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.caches import clear_method_caches
+from ..core.caches import clear_method_caches
 from . import tiny_families, tiny_pipelines
 
 __all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference"]
