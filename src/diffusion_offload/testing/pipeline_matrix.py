@@ -27,7 +27,7 @@ import torch
 from ..core.caches import clear_method_caches
 from . import tiny_families, tiny_pipelines
 
-__all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference"]
+__all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference", "weight_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,9 @@ def reference(family: str, device: torch.device) -> np.ndarray:
         clear_method_caches(pipe)  # QwenEmbedRope memoizes device tensors per (self, device)
 
 
-def _weight_bytes(pipe: Any) -> int:
+def weight_bytes(pipe: Any) -> int:
+    """Bytes of every parameter and buffer of the pipeline's ``nn.Module`` components, each
+    tensor counted once (shared ones too)."""
     seen: dict[int, int] = {}
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
@@ -145,7 +147,7 @@ def _backend(mode: str, pipe: Any, device: torch.device) -> Any:
         return LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, device)
     if mode == "budget":
         return ModelLevelOffloadBackend(parse_diffusion_offload_config(None, enable_cpu_offload=True), device,
-                                        device_memory_budget=_weight_bytes(pipe) // 2)
+                                        device_memory_budget=weight_bytes(pipe) // 2)
     raise ValueError(f"mode={mode!r} is not a matrix mode; allowed: {sorted(MODES)}")
 
 
