@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..models.caches import clear_method_caches
-from . import tiny_families, tiny_pipelines
+from . import tiny_families, tiny_image_families, tiny_pipelines
 
 __all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference"]
 
@@ -50,8 +50,12 @@ def _kind(kind: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
     return (lambda: tiny_pipelines.build(kind)), run
 
 
-def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
-    return (lambda: tiny_families.build(name)), (lambda pipe: tiny_families.run(name, pipe).numpy())
+def _family(name: str, module: Any = tiny_families) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
+    return (lambda: module.build(name)), (lambda pipe: module.run(name, pipe).numpy())
+
+
+def _image(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
+    return _family(name, tiny_image_families)
 
 
 FAMILIES: dict[str, Family] = {
@@ -65,6 +69,12 @@ FAMILIES: dict[str, Family] = {
     "sd-controlnet": Family("SD 1.x + ControlNet", "StableDiffusionControlNetPipeline", *_family("sd-controlnet")),
     "kandinsky2.2": Family("Kandinsky 2.2 decoder", "KandinskyV22Pipeline", *_family("kandinsky2.2")),
     "dit": Family("DiT (class-conditional)", "DiTPipeline", *_family("dit")),
+    "flux-controlnet": Family("FLUX.1 + ControlNet", "FluxControlNetPipeline", *_image("flux-controlnet")),
+    "sdxl-controlnet": Family("SDXL + ControlNet", "StableDiffusionXLControlNetPipeline", *_image("sdxl-controlnet")),
+    "z-image": Family("Z-Image", "ZImagePipeline", *_image("z-image")),
+    "sana": Family("Sana", "SanaPipeline", *_image("sana")),
+    "lumina2": Family("Lumina2", "Lumina2Pipeline", *_image("lumina2")),
+    "hidream": Family("HiDream", "HiDreamImagePipeline", *_image("hidream")),
 }
 """Family key -> ``Family``, in the README's order."""
 
