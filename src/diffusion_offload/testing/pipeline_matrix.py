@@ -75,6 +75,9 @@ FAMILIES: dict[str, Family] = {
     "sana": Family("Sana", "SanaPipeline", *_image("sana")),
     "lumina2": Family("Lumina2", "Lumina2Pipeline", *_image("lumina2")),
     "hidream": Family("HiDream", "HiDreamImagePipeline", *_image("hidream")),
+    "flux2": Family("FLUX.2", "Flux2Pipeline", *_image("flux2")),
+    "stable-cascade": Family("Stable Cascade (prior + decoder)", "StableCascadeCombinedPipeline",
+                             *_image("stable-cascade")),
 }
 """Family key -> ``Family``, in the README's order."""
 

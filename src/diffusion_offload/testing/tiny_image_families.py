@@ -16,6 +16,9 @@ Families (``FAMILIES``):
 - ``"sana"``: ``SanaPipeline`` (``SanaTransformer2DModel``, Gemma 2, ``AutoencoderDC``).
 - ``"lumina2"``: ``Lumina2Pipeline`` (``Lumina2Transformer2DModel``, Gemma 2).
 - ``"hidream"``: ``HiDreamImagePipeline`` (``HiDreamImageTransformer2DModel``, two CLIPs, T5, Llama).
+- ``"flux2"``: ``Flux2Pipeline`` (``Flux2Transformer2DModel``, Mistral 3, ``AutoencoderKLFlux2``).
+- ``"stable-cascade"``: ``StableCascadeCombinedPipeline`` (``prior_prior`` and ``decoder``
+  ``StableCascadeUNet`` s, the prior's CLIP text encoder, ``vqgan``); images ``(1, 128, 128, 3)``.
 """
 
 from __future__ import annotations
@@ -269,6 +272,92 @@ def _run_hidream(pipe: Any) -> Any:
                 guidance_scale=5.0, max_sequence_length=16, generator=_generator(), output_type="np").images
 
 
+# --------------------------------------------------------------------------- FLUX.2
+
+
+def _build_flux2():
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = _chat_tokenizer()
+    transformer = _seeded(lambda: Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4),
+    ))
+    pad = tokenizer.pad_token_id
+    text_encoder = _seeded(lambda: Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={
+            "model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32,
+            "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "num_key_value_heads": 2, "head_dim": 4, "sliding_window": None, "pad_token_id": pad,
+            "bos_token_id": pad, "eos_token_id": pad,
+        },
+        vision_config={
+            "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 32, "image_size": 30, "patch_size": 6, "num_channels": 3,
+        },
+        image_token_index=tokenizer.convert_tokens_to_ids("<|image_pad|>"), vision_feature_layer=-1,
+    )).eval())
+    vae = _seeded(lambda: AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    ))
+    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                         tokenizer=tokenizer, transformer=transformer)
+
+
+def _run_flux2(pipe: Any) -> Any:
+    return pipe(prompt="a cat", height=32, width=32, num_inference_steps=2, guidance_scale=4.0,
+                max_sequence_length=48, text_encoder_out_layers=(1,), generator=_generator(),
+                output_type="np").images
+
+
+# --------------------------------------------------------------------------- Stable Cascade
+
+
+def _build_stable_cascade():
+    from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline, StableCascadeUNet
+    from diffusers.pipelines.deprecated.wuerstchen.modeling_paella_vq_model import PaellaVQModel
+
+    prior_tokenizer = clip_tokenizer()
+    prior = _seeded(lambda: StableCascadeUNet(
+        conditioning_dim=64, block_out_channels=(64, 64), num_attention_heads=(2, 2),
+        down_num_layers_per_block=(1, 1), up_num_layers_per_block=(1, 1), clip_image_in_channels=16,
+        switch_level=(False,), clip_text_in_channels=32, clip_text_pooled_in_channels=32,
+        dropout=(0.0, 0.0),
+    ).eval())
+    decoder = _seeded(lambda: StableCascadeUNet(
+        in_channels=4, out_channels=4, conditioning_dim=32, block_out_channels=(8, 16, 32, 32),
+        num_attention_heads=(-1, -1, 1, 2), down_num_layers_per_block=(1, 1, 1, 1),
+        up_num_layers_per_block=(1, 1, 1, 1), down_blocks_repeat_mappers=(1, 1, 1, 1),
+        up_blocks_repeat_mappers=(2, 2, 1, 1),
+        block_types_per_layer=(
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),
+        ),
+        switch_level=None, clip_text_pooled_in_channels=32, dropout=(0.0, 0.0, 0.0, 0.0),
+    ).eval())
+    vqgan = _seeded(lambda: PaellaVQModel(bottleneck_blocks=1, embed_dim=16, num_vq_embeddings=2).eval())
+    return StableCascadeCombinedPipeline(
+        # the combined call never runs the decoder's own text encoder (the prior hands the
+        # decoder its prompt embeddings), so the family leaves it out
+        tokenizer=None, text_encoder=None, decoder=decoder,
+        scheduler=DDPMWuerstchenScheduler(), vqgan=vqgan, prior_prior=prior,
+        prior_text_encoder=_clip_text(prior_tokenizer, True), prior_tokenizer=prior_tokenizer,
+        prior_scheduler=DDPMWuerstchenScheduler(), prior_feature_extractor=None, prior_image_encoder=None,
+    )
+
+
+def _run_stable_cascade(pipe: Any) -> Any:
+    # the prior runs at ceil(128 / 42.67) = 3 latent pixels, the decoder at 32, the VQGAN decodes 128
+    return pipe(prompt="a cat", negative_prompt="blurry", height=128, width=128, prior_num_inference_steps=2,
+                prior_guidance_scale=4.0, num_inference_steps=2, decoder_guidance_scale=4.0,
+                generator=_generator(), output_type="np").images
+
+
 #: family name -> (builder, runner)
 FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "flux-controlnet": (_build_flux_controlnet, _run_flux_controlnet),
@@ -277,6 +366,8 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "sana": (_build_sana, _run_sana),
     "lumina2": (_build_lumina2, _run_lumina2),
     "hidream": (_build_hidream, _run_hidream),
+    "flux2": (_build_flux2, _run_flux2),
+    "stable-cascade": (_build_stable_cascade, _run_stable_cascade),
 }
 
 
