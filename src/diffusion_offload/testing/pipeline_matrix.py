@@ -78,6 +78,7 @@ FAMILIES: dict[str, Family] = {
     "flux2": Family("FLUX.2", "Flux2Pipeline", *_image("flux2")),
     "stable-cascade": Family("Stable Cascade (prior + decoder)", "StableCascadeCombinedPipeline",
                              *_image("stable-cascade")),
+    "qwen-image-edit": Family("Qwen-Image-Edit", "QwenImageEditPipeline", *_image("qwen-image-edit")),
 }
 """Family key -> ``Family``, in the README's order."""
 

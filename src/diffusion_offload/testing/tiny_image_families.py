@@ -3,7 +3,7 @@
 Same interface as ``tiny_families``: ``build(name) -> pipe`` (on the host, progress bar off,
 random weights seeded per component, our own tokenizers from ``tiny_tokenizers``) and
 ``run(name, pipe) -> torch.Tensor`` (float64 on the host: the pipeline's ``output_type="np"``
-images ``(1, H, W, 3)``, H = W = 32, two denoising steps with classifier-free guidance on).
+images ``(1, H, W, 3)``, H = W = 32 unless stated, two denoising steps with classifier-free guidance on).
 The text encoders that transformers ships in large sizes only (Gemma 2, Llama, Qwen3,
 Mistral 3) are built from tiny configs.
 
@@ -19,6 +19,9 @@ Families (``FAMILIES``):
 - ``"flux2"``: ``Flux2Pipeline`` (``Flux2Transformer2DModel``, Mistral 3, ``AutoencoderKLFlux2``).
 - ``"stable-cascade"``: ``StableCascadeCombinedPipeline`` (``prior_prior`` and ``decoder``
   ``StableCascadeUNet`` s, the prior's CLIP text encoder, ``vqgan``); images ``(1, 128, 128, 3)``.
+- ``"qwen-image-edit"``: ``QwenImageEditPipeline`` (``tiny_pipelines``' Qwen-Image transformer and
+  Qwen2.5-VL text encoder, which also sees the input image, and ``Qwen2VLProcessor``); images
+  ``(1, 64, 64, 3)``.
 """
 
 from __future__ import annotations
@@ -358,6 +361,53 @@ def _run_stable_cascade(pipe: Any) -> Any:
                 generator=_generator(), output_type="np").images
 
 
+# --------------------------------------------------------------------------- Qwen-Image-Edit
+
+
+def _image_only(processor_cls: type) -> type:
+    """``processor_cls`` without its video processor: transformers checks one's class even
+    when it is None, and its video processors need torchvision (not a dependency); the
+    pipelines pass images only."""
+
+    class ImageOnly(processor_cls):  # type: ignore[misc, valid-type]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImageOnly.__name__ = processor_cls.__name__
+    return ImageOnly
+
+
+def _build_qwen_image_edit():
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    from . import tiny_pipelines
+
+    qwen = tiny_pipelines.build("qwen-image").components
+    # the pipeline resizes the input image to about 1024 x 1024; the vision tower sees it
+    # at 56 x 56 (4 x 4 patches of 14, merged 2 x 2: 4 image tokens)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+    processor = _image_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=qwen["tokenizer"])
+    # the VAE encodes that 1024 x 1024 image: 2 channels at full resolution and a spatial
+    # factor of 32 (a 32 x 32 latent, 256 image tokens) keep it and the transformer fast
+    vae = _seeded(lambda: AutoencoderKLQwenImage(
+        base_dim=2, z_dim=16, dim_mult=[1, 1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True, True]))
+    return QwenImageEditPipeline(scheduler=qwen["scheduler"], vae=vae, text_encoder=qwen["text_encoder"],
+                                 tokenizer=qwen["tokenizer"], processor=processor, transformer=qwen["transformer"])
+
+
+def _run_qwen_image_edit(pipe: Any) -> Any:
+    from PIL import Image
+
+    pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(1)) * 255).to(torch.uint8)
+    return pipe(image=Image.fromarray(pixels.numpy()), prompt="a cat", negative_prompt="blurry", height=64,
+                width=64, num_inference_steps=2, true_cfg_scale=4.0, max_sequence_length=16,
+                generator=_generator(), output_type="np").images
+
+
 #: family name -> (builder, runner)
 FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "flux-controlnet": (_build_flux_controlnet, _run_flux_controlnet),
@@ -368,6 +418,7 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "hidream": (_build_hidream, _run_hidream),
     "flux2": (_build_flux2, _run_flux2),
     "stable-cascade": (_build_stable_cascade, _run_stable_cascade),
+    "qwen-image-edit": (_build_qwen_image_edit, _run_qwen_image_edit),
 }
 
 
