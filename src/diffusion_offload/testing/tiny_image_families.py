@@ -132,7 +132,7 @@ def _build_sdxl_controlnet():
         block_out_channels=(8, 16), layers_per_block=1, in_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), attention_head_dim=(2, 4),
         use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
-        transformer_layers_per_block=(1, 2), projection_class_embeddings_input_dim=80,  # 6 * 8 + 32
+        transformer_layers_per_block=(1, 1), projection_class_embeddings_input_dim=80,  # 6 * 8 + 32
         cross_attention_dim=64, norm_num_groups=4,
     )
     unet = _seeded(lambda: UNet2DConditionModel(
