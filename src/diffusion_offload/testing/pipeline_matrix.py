@@ -50,12 +50,12 @@ def _kind(kind: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
     return (lambda: tiny_pipelines.build(kind)), run
 
 
-def _family(name: str, module: Any = tiny_families) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
-    return (lambda: module.build(name)), (lambda pipe: module.run(name, pipe).numpy())
+def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
+    return (lambda: tiny_families.build(name)), (lambda pipe: tiny_families.run(name, pipe).numpy())
 
 
 def _image(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
-    return _family(name, tiny_image_families)
+    return (lambda: tiny_image_families.build(name)), (lambda pipe: tiny_image_families.run(name, pipe).numpy())
 
 
 FAMILIES: dict[str, Family] = {

@@ -3,7 +3,7 @@
 Same interface as ``tiny_families``: ``build(name) -> pipe`` (on the host, progress bar off,
 random weights seeded per component, our own tokenizers from ``tiny_tokenizers``) and
 ``run(name, pipe) -> torch.Tensor`` (float64 on the host: the pipeline's ``output_type="np"``
-images ``(1, H, W, 3)``, H = W = 32 unless stated, two denoising steps with classifier-free guidance on).
+images ``(1, H, W, 3)``, H = W = 32 unless stated, two denoising steps, guidance on).
 The text encoders that transformers ships in large sizes only (Gemma 2, Llama, Qwen3,
 Mistral 3) are built from tiny configs.
 
@@ -14,7 +14,8 @@ Families (``FAMILIES``):
   two CLIP text encoders).
 - ``"z-image"``: ``ZImagePipeline`` (``ZImageTransformer2DModel``, Qwen3 text encoder).
 - ``"sana"``: ``SanaPipeline`` (``SanaTransformer2DModel``, Gemma 2, ``AutoencoderDC``).
-- ``"lumina2"``: ``Lumina2Pipeline`` (``Lumina2Transformer2DModel``, Gemma 2).
+- ``"lumina2"``: ``Lumina2Pipeline`` (``Lumina2Transformer2DModel``, Gemma 2); images
+  ``(1, 16, 16, 3)``.
 - ``"hidream"``: ``HiDreamImagePipeline`` (``HiDreamImageTransformer2DModel``, two CLIPs, T5, Llama).
 - ``"flux2"``: ``Flux2Pipeline`` (``Flux2Transformer2DModel``, Mistral 3, ``AutoencoderKLFlux2``).
 - ``"stable-cascade"``: ``StableCascadeCombinedPipeline`` (``prior_prior`` and ``decoder``
@@ -124,7 +125,12 @@ def _run_flux_controlnet(pipe: Any) -> Any:
 
 
 def _build_sdxl_controlnet():
-    from diffusers import ControlNetModel, EulerDiscreteScheduler, StableDiffusionXLControlNetPipeline, UNet2DConditionModel
+    from diffusers import (
+        ControlNetModel,
+        EulerDiscreteScheduler,
+        StableDiffusionXLControlNetPipeline,
+        UNet2DConditionModel,
+    )
 
     from .tiny_families import _sd_vae
 
@@ -201,7 +207,8 @@ def _build_sana():
     ))
     vae = _seeded(lambda: AutoencoderDC(
         in_channels=3, latent_channels=4, attention_head_dim=2,
-        encoder_block_types=("ResBlock", "EfficientViTBlock"), decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
         encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
         encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
         encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), downsample_block_type="conv",
@@ -248,7 +255,8 @@ def _build_hidream():
     from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline, HiDreamImageTransformer2DModel
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer, tokenizer_2, tokenizer_3, tokenizer_4 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer(), t5_tokenizer()
+    tokenizer, tokenizer_2 = clip_tokenizer(), clip_tokenizer()
+    tokenizer_3, tokenizer_4 = t5_tokenizer(), t5_tokenizer()
     transformer = _seeded(lambda: HiDreamImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
         num_attention_heads=4, caption_channels=[32, 16], text_emb_dim=64, num_routed_experts=4,
@@ -279,7 +287,12 @@ def _run_hidream(pipe: Any) -> Any:
 
 
 def _build_flux2():
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Pipeline,
+        Flux2Transformer2DModel,
+    )
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     tokenizer = _chat_tokenizer()
@@ -441,7 +454,8 @@ def build(name: str) -> Any:
 
 def run(name: str, pipe: Any) -> torch.Tensor:
     """Call ``pipe`` (a family ``name`` pipeline) with fixed seeds and two steps; returns its
-    images as a float64 host tensor ``(1, 32, 32, 3)``.
+    images as a float64 host tensor ``(1, H, W, 3)`` (H = W = 32; Lumina2 16, Qwen-Image-Edit
+    64, Stable Cascade 128).
 
     Raises:
         ValueError: ``name`` is not in ``FAMILIES``.
