@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..core.caches import clear_method_caches
-from . import tiny_families, tiny_pipelines
+from . import tiny_families, tiny_image_families, tiny_pipelines
 
 __all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference", "weight_bytes"]
 
@@ -54,6 +54,10 @@ def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
     return (lambda: tiny_families.build(name)), (lambda pipe: tiny_families.run(name, pipe).numpy())
 
 
+def _image(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
+    return (lambda: tiny_image_families.build(name)), (lambda pipe: tiny_image_families.run(name, pipe).numpy())
+
+
 FAMILIES: dict[str, Family] = {
     "wan2.1": Family("Wan2.1", "WanPipeline", *_kind("wan2.1")),
     "wan2.2": Family("Wan2.2 T2V", "WanPipeline", *_kind("wan2.2")),
@@ -65,6 +69,16 @@ FAMILIES: dict[str, Family] = {
     "sd-controlnet": Family("SD 1.x + ControlNet", "StableDiffusionControlNetPipeline", *_family("sd-controlnet")),
     "kandinsky2.2": Family("Kandinsky 2.2 decoder", "KandinskyV22Pipeline", *_family("kandinsky2.2")),
     "dit": Family("DiT (class-conditional)", "DiTPipeline", *_family("dit")),
+    "flux-controlnet": Family("FLUX.1 + ControlNet", "FluxControlNetPipeline", *_image("flux-controlnet")),
+    "sdxl-controlnet": Family("SDXL + ControlNet", "StableDiffusionXLControlNetPipeline", *_image("sdxl-controlnet")),
+    "z-image": Family("Z-Image", "ZImagePipeline", *_image("z-image")),
+    "sana": Family("Sana", "SanaPipeline", *_image("sana")),
+    "lumina2": Family("Lumina2", "Lumina2Pipeline", *_image("lumina2")),
+    "hidream": Family("HiDream", "HiDreamImagePipeline", *_image("hidream")),
+    "flux2": Family("FLUX.2", "Flux2Pipeline", *_image("flux2")),
+    "stable-cascade": Family("Stable Cascade (prior + decoder)", "StableCascadeCombinedPipeline",
+                             *_image("stable-cascade")),
+    "qwen-image-edit": Family("Qwen-Image-Edit", "QwenImageEditPipeline", *_image("qwen-image-edit")),
 }
 """Family key -> ``Family``, in the README's order."""
 
