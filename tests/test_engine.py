@@ -187,10 +187,10 @@ def test_missing_and_invalid_models(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(ModelError, match="no model_index.json"):
         Omni(tmp_path / "plain", device="cpu")
-    (tmp_path / "i2v").mkdir()
-    (tmp_path / "i2v" / "model_index.json").write_text(json.dumps({"_class_name": "WanImageToVideoPipeline"}))
-    with pytest.raises(ModelError, match="'WanImageToVideoPipeline' is not supported"):
-        Omni(tmp_path / "i2v", device="cpu")
+    (tmp_path / "svd").mkdir()  # no prompt: image in, video out
+    (tmp_path / "svd" / "model_index.json").write_text(json.dumps({"_class_name": "StableVideoDiffusionPipeline"}))
+    with pytest.raises(ModelError, match="'StableVideoDiffusionPipeline' is not supported"):
+        Omni(tmp_path / "svd", device="cpu")
 
 
 # --------------------------------------------------------------------------- SamplingParams, prompts, seeds

@@ -110,6 +110,13 @@ def variant_for(pipeline: Any, item: PromptItem) -> str | None:
     return "inpaint" if item.mask is not None else "image2image"
 
 
+def needs_image(pipeline: Any) -> bool:
+    """True when ``pipeline.__call__`` requires an ``image`` (image-to-video:
+    ``WanImageToVideoPipeline``), so that a prompt without one cannot run."""
+    param = inspect.signature(pipeline.__call__).parameters.get("image")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
 def shift_key(scheduler: Any) -> str | None:
     """The scheduler config key that ``flow_shift`` sets: ``flow_shift`` (UniPC, DPM),
     ``shift`` (FlowMatchEuler), or None when it has neither."""

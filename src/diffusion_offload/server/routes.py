@@ -74,6 +74,15 @@ def _prompt_item(req: Any) -> Any:
     return {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
 
 
+def _needs_image(engine: Any) -> bool:
+    """True when the engine's pipeline requires an input image (image-to-video); engines
+    without a local ``pipeline`` (test doubles, Ray's remote one) are taken not to."""
+    from ..engine.requests import needs_image
+
+    pipeline = getattr(engine, "pipeline", None)
+    return pipeline is not None and needs_image(pipeline)
+
+
 def _check_with_engine(engine: Any, prompt: Any, params: Any) -> None:
     """What the engine (and the pipeline's own ``check_inputs``) would refuse, as a 400
     now; engines without ``check_request`` (test doubles, Ray's remote one) skip it."""
@@ -492,6 +501,11 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         prompt = _prompt_item(req)
         if reference:
             prompt = await reference_prompt(engine, req, reference)
+        elif _needs_image(engine):
+            raise APIError(400, f"Missing required parameter: 'input_reference': "
+                                f"{type(engine.pipeline).__name__} makes videos from an image; "
+                                "upload it as 'input_reference' in a multipart form.",
+                           param="input_reference", code="missing_required_parameter")
         _check_with_engine(engine, prompt, params)
         job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size,
                                    seconds=req.seconds), store=True)
