@@ -196,3 +196,40 @@ def test_input_reference_is_checked_and_named(i2v: Server) -> None:
         assert err["param"] == "input_reference"
         assert "WanImageToVideoPipeline makes videos from an image" in err["message"]
         assert c.get("/v1/videos").json()["data"] == []  # nothing was queued
+
+
+class RemoteLike:
+    """The engine as ``serve --ray``'s ingress sees it (``ray_serve.ingress._RemoteEngine``:
+    ``is_video``, ``image_input``, ``pipeline_class``; no local pipeline, no
+    ``check_request``), running its jobs on a real engine as a generator replica would."""
+
+    def __init__(self, engine: Omni) -> None:
+        self.is_video = True
+        self.image_input = engine.image_input
+        self.pipeline_class = engine.pipeline_class
+        self._engine = engine
+
+    def generate(self, prompts, params):
+        return self._engine.generate(prompts, params)
+
+
+def test_input_reference_needs_only_what_a_remote_engine_reports(i2v: Server) -> None:
+    assert (i2v.engine.image_input, i2v.engine.pipeline_class) == ("required", "WanImageToVideoPipeline")
+    remote = Server(RemoteLike(i2v.engine), max_frames=9)
+    fields = {"prompt": PROMPT, "size": "32x32", "num_frames": "5", "num_inference_steps": "2",
+              "seed": "4"}
+    try:
+        with remote.client() as c:
+            r = c.post("/v1/videos", data=fields,
+                       files={"input_reference": ("ref.png", png(reference_image()), "image/png")})
+            assert r.status_code == 200, r.text
+            job = _wait(c, r.json())
+            assert job["status"] == "completed", job
+            content = c.get(f"/v1/videos/{job['id']}/content").content
+            err = error(c.post("/v1/videos", data=fields))
+            assert err["param"] == "input_reference"
+            assert "WanImageToVideoPipeline makes videos from an image" in err["message"]
+    finally:
+        remote.stop()
+    result = i2v.engine.generate({"prompt": PROMPT, "image": reference_image()}, params())[0]
+    assert content == encode_video(result.frames[0], 16, ".mp4")

@@ -58,6 +58,8 @@ class DiffusionGenerator:
         self.actor = _actor_name()
         self.model = {
             "is_video": bool(engine.is_video),
+            "image_input": getattr(engine, "image_input", None),  # image-to-video: "required"
+            "pipeline_class": getattr(engine, "pipeline_class", "this model"),
             "rules": self.state.rules,
             "limits": self.state.limits,
             "plan": getattr(engine, "plan_message", None),  # auto's pick, printed by the driver

@@ -32,10 +32,15 @@ logger = logging.getLogger("diffusion_offload.server")
 
 
 class _RemoteEngine:
-    """What the routes ask of the engine, for a model that runs on the generators."""
+    """What the routes ask of the engine, for a model that runs on the generators: as
+    ``Omni``'s ``is_video``, ``image_input`` (``"required"``, ``"optional"`` or None) and
+    ``pipeline_class``, from a generator's description of its model."""
 
-    def __init__(self, is_video: bool) -> None:
+    def __init__(self, is_video: bool, image_input: str | None = None,
+                 pipeline_class: str = "this model") -> None:
         self.is_video = is_video
+        self.image_input = image_input
+        self.pipeline_class = pipeline_class
 
 
 async def _call(ref: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
@@ -112,7 +117,8 @@ class RayIngressState(BaseServerState):
                 self.rules = model["rules"]
                 self.limits = model["limits"]
                 self.loaded_at = int(time.time())
-                self.engine = _RemoteEngine(model["is_video"])
+                self.engine = _RemoteEngine(model["is_video"], model.get("image_input"),
+                                            model.get("pipeline_class", "this model"))
                 return
             checks += 1
             if checks % 10 == 0 and await asyncio.to_thread(self._deploy_failed):
