@@ -226,6 +226,34 @@ def test_job_manager_with_workers_runs_jobs_side_by_side_in_arrival_order() -> N
 
 
 @pytest.mark.ray
+def test_the_ingress_edits_with_the_tables_a_generator_reported() -> None:
+    pytest.importorskip("ray", reason=NEEDS_RAY)
+    from diffusion_offload.server.ray_serve.generator import _edit_tables
+    from diffusion_offload.server.ray_serve.ingress import _RemoteEngine
+
+    class Editor:  # an image model with an image-to-image variant and no inpainting one
+        is_video = False
+
+        def knobs_for(self, mask: bool) -> tuple[dict, dict]:
+            if mask:
+                raise ValueError("TinyPipeline has no inpainting variant in diffusers")
+            return {"strength": "knob"}, {"latents": "a tensor"}
+
+    tables = _edit_tables(Editor())
+    assert tables == {"image": ({"strength": "knob"}, {"latents": "a tensor"}),
+                      "mask": "TinyPipeline has no inpainting variant in diffusers"}
+    remote = _RemoteEngine(False, None, "TinyPipeline", tables)
+    assert remote.knobs_for(False) == ({"strength": "knob"}, {"latents": "a tensor"})
+    with pytest.raises(ValueError, match="no inpainting variant"):
+        remote.knobs_for(True)
+    with pytest.raises(ValueError, match="TinyPipeline cannot edit images"):
+        _RemoteEngine(True, None, "TinyPipeline", None).knobs_for(False)
+    video = Editor()
+    video.is_video = True
+    assert _edit_tables(video) is None and _edit_tables(object()) is None
+
+
+@pytest.mark.ray
 def test_a_job_whose_replica_dies_twice_fails_cleanly_and_is_counted_once() -> None:
     pytest.importorskip("ray", reason=NEEDS_RAY)
     from ray.exceptions import ActorDiedError
@@ -559,6 +587,46 @@ def test_a_queued_image_whose_client_leaves_is_cancelled_and_never_runs(images: 
     assert jobs("completed") - before["completed"] == 2  # the abandoned one never ran
     values = samples(fresh(images.url, "GET", "/metrics").text)
     assert metric(values, "diffusion_offload_queue_depth") == 0
+
+
+@pytest.mark.ray
+def test_edits_on_ray_equal_the_single_process_edits(images: Cluster) -> None:
+    """``/v1/images/edits`` (image-to-image, and with a mask inpainting) through the
+    ingress replicas: the generators' variants make the single-process server's bytes."""
+    import io
+
+    import numpy as np
+    from fastapi.testclient import TestClient
+    from PIL import Image
+
+    picture = Image.fromarray((np.arange(16 * 16 * 3).reshape(16, 16, 3) * 7 % 251).astype("uint8"))
+    mask = Image.new("L", (16, 16), 0)
+    mask.paste(255, (4, 4, 12, 12))
+
+    def png(image: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+
+    data = {"prompt": "a red car", "seed": "3", "num_inference_steps": "1", "strength": "0.9"}
+    uploads = [{"image": ("in.png", png(picture), "image/png")},
+               {"image": ("in.png", png(picture), "image/png"),
+                "mask": ("mask.png", png(mask), "image/png")}]
+    got = []
+    for files in uploads:
+        r = fresh(images.url, "POST", "/v1/images/edits", data=data, files=files)
+        assert r.status_code == 200, r.text
+        got.append(r.json()["data"][0]["b64_json"])
+    model = images.models["flux"]
+    engine = make_engine(str(model))
+    try:
+        with TestClient(create_app(engine.inner, settings_for(model)), base_url="http://127.0.0.1",
+                        headers=AUTH) as client:
+            want = [client.post("/v1/images/edits", data=data, files=files).json()["data"][0]["b64_json"]
+                    for files in uploads]
+    finally:
+        engine.inner.close()
+    assert got == want and got[0] != got[1]
 
 
 # ---------------------------------------------------------------------- videos

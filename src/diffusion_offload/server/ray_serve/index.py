@@ -288,7 +288,7 @@ class JobIndex:
             del self._replicas[label]
 
     def model(self) -> dict | None:
-        """``{"is_video", "image_input", "pipeline_class", "rules", "limits", "plan"}``
+        """``{"is_video", "image_input", "pipeline_class", "edits", "rules", "limits", "plan"}``
         from the first generator, or None yet (``plan``: the line
         ``diffusion_offload_config="auto"`` logged for its pick)."""
         return self._model
