@@ -337,7 +337,8 @@ class Cluster:
 
         self.ray, self.serve, self.rs = ray, serve, ray_serve
         register_pickle_by_value(sys.modules[__name__])  # SlowEngine/make_engine to replicas
-        self.models = {kind: tiny_pipelines.save(kind, root / kind) for kind in ("flux", "wan2.1")}
+        self.models = {kind: tiny_pipelines.save(kind, root / kind)
+                       for kind in ("flux", "wan2.1", "wan2.2-i2v")}
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  logging_level="ERROR", resources={ray_serve.DEVICE_RESOURCE: 4},
                  object_store_memory=200 * 2**20)
@@ -715,3 +716,44 @@ def test_killed_generator_replica_mid_job_the_job_completes_once_on_the_other(
         delta = (metric(after, "diffusion_offload_jobs_total", kind="video", status=status)
                  - metric(before, "diffusion_offload_jobs_total", kind="video", status=status))
         assert delta == count, status
+
+
+# ---------------------------------------------------------------------- image-to-video
+
+
+@pytest.mark.ray
+def test_input_reference_on_ray_equals_the_single_process_video(cluster: Cluster) -> None:
+    """Tiny Wan2.2 I2V: ``input_reference`` through the ingress replicas (which learn from
+    the generators that the model needs an image) makes the single-process server's mp4."""
+    import io
+
+    from fastapi.testclient import TestClient
+
+    cluster.use("wan2.2-i2v")
+    buf = io.BytesIO()
+    tiny_pipelines.default_call_kwargs("wan2.2-i2v")["image"].save(buf, format="PNG")
+    data = {"prompt": "a cat", "size": "32x32", "num_frames": "5", "num_inference_steps": "2",
+            "seed": "4"}
+    files = {"input_reference": ("ref.png", buf.getvalue(), "image/png")}
+    r = fresh(cluster.url, "POST", "/v1/videos", data=data, files=files)
+    assert r.status_code == 200, r.text
+    final, _ = wait_video(cluster.url, r.json()["id"])
+    assert final["status"] == "completed", final
+    got = fresh(cluster.url, "GET", f"/v1/videos/{final['id']}/content").content
+    missing = fresh(cluster.url, "POST", "/v1/videos", data=data)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input_reference"
+    assert "WanImageToVideoPipeline makes videos from an image" in missing.json()["error"]["message"]
+    model = cluster.models["wan2.2-i2v"]
+    engine = make_engine(str(model))
+    try:
+        with TestClient(create_app(engine.inner, settings_for(model)), base_url="http://127.0.0.1",
+                        headers=AUTH) as client:
+            job = client.post("/v1/videos", data=data, files=files).json()
+            deadline = time.monotonic() + 60
+            while client.get(f"/v1/videos/{job['id']}").json()["status"] != "completed":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            want = client.get(f"/v1/videos/{job['id']}/content").content
+    finally:
+        engine.inner.close()
+    assert got == want
