@@ -61,6 +61,7 @@ def _image(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
 FAMILIES: dict[str, Family] = {
     "wan2.1": Family("Wan2.1", "WanPipeline", *_kind("wan2.1")),
     "wan2.2": Family("Wan2.2 T2V", "WanPipeline", *_kind("wan2.2")),
+    "wan2.2-i2v": Family("Wan2.2 I2V", "WanImageToVideoPipeline", *_kind("wan2.2-i2v")),
     "flux": Family("FLUX.1", "FluxPipeline", *_kind("flux")),
     "sd3": Family("SD3 / SD3.5", "StableDiffusion3Pipeline", *_kind("sd3")),
     "qwen-image": Family("Qwen-Image", "QwenImagePipeline", *_kind("qwen-image")),
