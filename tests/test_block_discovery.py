@@ -90,6 +90,46 @@ def test_table_wins_and_small_containers_are_not_blocks():
     assert block_attrs(WanTransformer3DModel()) == (("blocks",), "table")
 
 
+class _Staged(nn.Module):
+    """Stages of blocks as an ``nn.ModuleList`` of ``nn.ModuleList`` s (StableCascadeUNet's
+    ``down_blocks``): the forward calls the inner blocks, never a stage itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stages = nn.ModuleList(nn.ModuleList(nn.Linear(32, 32) for _ in range(3)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for block in stage:
+                x = torch.tanh(block(x))
+        return x
+
+
+class _StagedPipe(_Pipe):
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.transformer = _Staged()
+
+
+def test_a_list_of_lists_streams_its_inner_blocks(fake_device):
+    # a ModuleList has no forward: streamed as one block its hooks never ran, and the inner
+    # blocks read weights whose host-to-device copy nothing waited for (a fakegpu RaceError)
+    pipe = _StagedPipe()
+    names = [name for name, _ in discover_blocks(pipe.transformer)]
+    assert names == [f"stages.{s}.{b}" for s in range(2) for b in range(3)]
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = pipe.transformer(x)
+    backend = LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device)
+    backend.enable(pipe)
+    with torch.no_grad():
+        out = pipe(x.to(fake_device)).cpu()
+    assert torch.equal(out, reference)
+    assert backend.audit() == [] and backend.stats.d2h_bytes == 0 and backend.stats.fallback_loads == 0
+    backend.disable()
+
+
 def test_table_streams_hunyuan_video_15_blocks_that_hold_under_half_its_bytes():
     # a 2-layer HunyuanVideo 1.5 DiT: its token refiner and embedders outweigh the double
     # stream blocks, so discovery finds nothing; the table names them

@@ -19,20 +19,12 @@ from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
 from diffusion_offload.core.policy import BudgetTooSmallError
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
+from diffusion_offload.testing.pipeline_matrix import weight_bytes
 from diffusion_offload.testing.pytest_plugin import requires_fake
 
 pytestmark = [requires_fake, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 ALL = ["dit", "text_encoder"]
-
-
-def _weight_bytes(pipe) -> int:
-    seen: dict[int, int] = {}
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            for t in [*module.parameters(), *module.buffers()]:
-                seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
 
 
 def _resident(pipe, device) -> int:
@@ -76,7 +68,7 @@ CASES = [
 def test_half_the_weights_stays_within_the_budget_at_rest(fake_device, mode, kind, num_layers):
     ref = _run(tiny_pipelines.build(kind, num_layers=num_layers).to(fake_device), kind)
     pipe = tiny_pipelines.build(kind, num_layers=num_layers).to(fake_device)
-    budget = _weight_bytes(pipe) // 2
+    budget = weight_bytes(pipe) // 2
     cls = ModelLevelOffloadBackend if mode == "module" else LayerwiseOffloadBackend
     with cls({"mode": mode, "components": ALL}, fake_device, device_memory_budget=budget) as backend:
         backend.enable(pipe)
@@ -95,7 +87,7 @@ def test_a_stage_bigger_than_the_budget_runs_then_leaves(fake_device):
     """Flux's transformer alone is larger than half the weights: it runs over the budget,
     and is on the host again as soon as each of its calls returns."""
     pipe = tiny_pipelines.build("flux").to(fake_device)
-    budget = _weight_bytes(pipe) // 2
+    budget = weight_bytes(pipe) // 2
     dit = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
     with ModelLevelOffloadBackend({"mode": "module", "components": ALL}, fake_device,
                                   device_memory_budget=budget) as backend:

@@ -98,8 +98,8 @@ def _bad_cases(root: Path, read_only: Path | None, need_full: int) -> dict[str, 
         "not_a_diffusers_pipeline": Case(
             ["--model", "{root}/not-a-pipeline", *out_png], ["not a diffusers pipeline", "no model_index.json"]
         ),
-        "unsupported_class_image_to_video": Case(
-            ["--model", "{root}/wan-i2v", *out_png], ["'WanImageToVideoPipeline' is not supported"]
+        "unsupported_class_without_prompt": Case(
+            ["--model", "{root}/svd", *out_png], ["'StableVideoDiffusionPipeline' is not supported"]
         ),
         "invalid_json_config": Case(
             [*flux, "--diffusion-offload-config", '{"mode": "module",', *out_png],
@@ -281,7 +281,7 @@ def runs(tmp_path_factory):
     tiny_pipelines.save("wan2.2", root / "cache" / "tiny-wan2.2")  # the embedded default, prebuilt
     (root / "not-a-pipeline").mkdir()
     (root / "not-a-pipeline" / "config.json").write_text("{}")
-    _write_index(root / "wan-i2v", {"_class_name": "WanImageToVideoPipeline", "_diffusers_version": "0.42.0"})
+    _write_index(root / "svd", {"_class_name": "StableVideoDiffusionPipeline", "_diffusers_version": "0.42.0"})
     (root / "full.json").write_text(FULL_JSON)
     data = (root / "flux" / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
     header = int.from_bytes(data[:8], "little")
@@ -357,7 +357,7 @@ def runs(tmp_path_factory):
 
 BAD = [
     "missing_directory", "unknown_hub_id_offline", "not_a_diffusers_pipeline",
-    "unsupported_class_image_to_video", "invalid_json_config",
+    "unsupported_class_without_prompt", "invalid_json_config",
     "invalid_config", "output_folder_missing", "output_folder_read_only", "unknown_output_extension",
     "video_extension_for_image_model", "image_extension_for_video_model", "config_does_not_fit",
     "bad_dtype", "num_frames_for_image_model", "config_json_string", "config_duplicate_key",

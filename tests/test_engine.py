@@ -139,7 +139,8 @@ def test_offload_matches_all_resident(kind, source, models, request, fake_device
         snapshot = request.getfixturevalue("hub_cache")
         model = HUB_ID
     params = _params(kind, seed=3)
-    prompt = "a cat on a mat"
+    image = tiny_pipelines.default_call_kwargs(kind).get("image")  # image-to-video
+    prompt = "a cat on a mat" if image is None else {"prompt": "a cat on a mat", "image": image}
     gc.collect()  # earlier tests' garbage must not be freed inside the measurement
     baseline = fa.stats()["allocated_bytes"]
 
@@ -187,10 +188,10 @@ def test_missing_and_invalid_models(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(ModelError, match="no model_index.json"):
         Omni(tmp_path / "plain", device="cpu")
-    (tmp_path / "i2v").mkdir()
-    (tmp_path / "i2v" / "model_index.json").write_text(json.dumps({"_class_name": "WanImageToVideoPipeline"}))
-    with pytest.raises(ModelError, match="'WanImageToVideoPipeline' is not supported"):
-        Omni(tmp_path / "i2v", device="cpu")
+    (tmp_path / "svd").mkdir()  # no prompt: image in, video out
+    (tmp_path / "svd" / "model_index.json").write_text(json.dumps({"_class_name": "StableVideoDiffusionPipeline"}))
+    with pytest.raises(ModelError, match="'StableVideoDiffusionPipeline' is not supported"):
+        Omni(tmp_path / "svd", device="cpu")
 
 
 # --------------------------------------------------------------------------- SamplingParams, prompts, seeds

@@ -18,7 +18,7 @@ from torch import nn
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
 from diffusion_offload.core.discovery import SupportsComponentDiscovery
 from diffusion_offload.core.hooks import get_hook
-from diffusion_offload.models.caches import clear_method_caches
+from diffusion_offload.core.caches import clear_method_caches
 from diffusion_offload.core.streamer import BlockStreamer
 from diffusion_offload.testing import fake_accelerator as fa
 from diffusion_offload.testing import tiny_pipelines
@@ -157,7 +157,9 @@ def test_layer_mode_equals_all_resident_within_the_bound(kind, resident_results,
     assert fa.stats()["allocated_bytes"] == base
 
 
-@pytest.mark.parametrize("kind", tiny_pipelines.KINDS)
+# wan2.2-i2v VAE-encodes its image before denoising: those activations set the bound, and
+# module mode fits under it as well, so "only layer mode runs" is not its property
+@pytest.mark.parametrize("kind", [k for k in tiny_pipelines.KINDS if k != "wan2.2-i2v"])
 def test_at_the_bound_only_layer_mode_runs(kind, resident_results, fake_device):
     """Capacity = the bound (non-block bytes + two largest blocks + activations): layer
     mode runs, all-resident and module mode run out of memory. The runs stop at the

@@ -226,6 +226,34 @@ def test_job_manager_with_workers_runs_jobs_side_by_side_in_arrival_order() -> N
 
 
 @pytest.mark.ray
+def test_the_ingress_edits_with_the_tables_a_generator_reported() -> None:
+    pytest.importorskip("ray", reason=NEEDS_RAY)
+    from diffusion_offload.server.ray_serve.generator import _edit_tables
+    from diffusion_offload.server.ray_serve.ingress import _RemoteEngine
+
+    class Editor:  # an image model with an image-to-image variant and no inpainting one
+        is_video = False
+
+        def knobs_for(self, mask: bool) -> tuple[dict, dict]:
+            if mask:
+                raise ValueError("TinyPipeline has no inpainting variant in diffusers")
+            return {"strength": "knob"}, {"latents": "a tensor"}
+
+    tables = _edit_tables(Editor())
+    assert tables == {"image": ({"strength": "knob"}, {"latents": "a tensor"}),
+                      "mask": "TinyPipeline has no inpainting variant in diffusers"}
+    remote = _RemoteEngine(False, None, "TinyPipeline", tables)
+    assert remote.knobs_for(False) == ({"strength": "knob"}, {"latents": "a tensor"})
+    with pytest.raises(ValueError, match="no inpainting variant"):
+        remote.knobs_for(True)
+    with pytest.raises(ValueError, match="TinyPipeline cannot edit images"):
+        _RemoteEngine(True, None, "TinyPipeline", None).knobs_for(False)
+    video = Editor()
+    video.is_video = True
+    assert _edit_tables(video) is None and _edit_tables(object()) is None
+
+
+@pytest.mark.ray
 def test_a_job_whose_replica_dies_twice_fails_cleanly_and_is_counted_once() -> None:
     pytest.importorskip("ray", reason=NEEDS_RAY)
     from ray.exceptions import ActorDiedError
@@ -309,7 +337,8 @@ class Cluster:
 
         self.ray, self.serve, self.rs = ray, serve, ray_serve
         register_pickle_by_value(sys.modules[__name__])  # SlowEngine/make_engine to replicas
-        self.models = {kind: tiny_pipelines.save(kind, root / kind) for kind in ("flux", "wan2.1")}
+        self.models = {kind: tiny_pipelines.save(kind, root / kind)
+                       for kind in ("flux", "wan2.1", "wan2.2-i2v")}
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  logging_level="ERROR", resources={ray_serve.DEVICE_RESOURCE: 4},
                  object_store_memory=200 * 2**20)
@@ -561,6 +590,46 @@ def test_a_queued_image_whose_client_leaves_is_cancelled_and_never_runs(images: 
     assert metric(values, "diffusion_offload_queue_depth") == 0
 
 
+@pytest.mark.ray
+def test_edits_on_ray_equal_the_single_process_edits(images: Cluster) -> None:
+    """``/v1/images/edits`` (image-to-image, and with a mask inpainting) through the
+    ingress replicas: the generators' variants make the single-process server's bytes."""
+    import io
+
+    import numpy as np
+    from fastapi.testclient import TestClient
+    from PIL import Image
+
+    picture = Image.fromarray((np.arange(16 * 16 * 3).reshape(16, 16, 3) * 7 % 251).astype("uint8"))
+    mask = Image.new("L", (16, 16), 0)
+    mask.paste(255, (4, 4, 12, 12))
+
+    def png(image: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+
+    data = {"prompt": "a red car", "seed": "3", "num_inference_steps": "1", "strength": "0.9"}
+    uploads = [{"image": ("in.png", png(picture), "image/png")},
+               {"image": ("in.png", png(picture), "image/png"),
+                "mask": ("mask.png", png(mask), "image/png")}]
+    got = []
+    for files in uploads:
+        r = fresh(images.url, "POST", "/v1/images/edits", data=data, files=files)
+        assert r.status_code == 200, r.text
+        got.append(r.json()["data"][0]["b64_json"])
+    model = images.models["flux"]
+    engine = make_engine(str(model))
+    try:
+        with TestClient(create_app(engine.inner, settings_for(model)), base_url="http://127.0.0.1",
+                        headers=AUTH) as client:
+            want = [client.post("/v1/images/edits", data=data, files=files).json()["data"][0]["b64_json"]
+                    for files in uploads]
+    finally:
+        engine.inner.close()
+    assert got == want and got[0] != got[1]
+
+
 # ---------------------------------------------------------------------- videos
 
 
@@ -647,3 +716,44 @@ def test_killed_generator_replica_mid_job_the_job_completes_once_on_the_other(
         delta = (metric(after, "diffusion_offload_jobs_total", kind="video", status=status)
                  - metric(before, "diffusion_offload_jobs_total", kind="video", status=status))
         assert delta == count, status
+
+
+# ---------------------------------------------------------------------- image-to-video
+
+
+@pytest.mark.ray
+def test_input_reference_on_ray_equals_the_single_process_video(cluster: Cluster) -> None:
+    """Tiny Wan2.2 I2V: ``input_reference`` through the ingress replicas (which learn from
+    the generators that the model needs an image) makes the single-process server's mp4."""
+    import io
+
+    from fastapi.testclient import TestClient
+
+    cluster.use("wan2.2-i2v")
+    buf = io.BytesIO()
+    tiny_pipelines.default_call_kwargs("wan2.2-i2v")["image"].save(buf, format="PNG")
+    data = {"prompt": "a cat", "size": "32x32", "num_frames": "5", "num_inference_steps": "2",
+            "seed": "4"}
+    files = {"input_reference": ("ref.png", buf.getvalue(), "image/png")}
+    r = fresh(cluster.url, "POST", "/v1/videos", data=data, files=files)
+    assert r.status_code == 200, r.text
+    final, _ = wait_video(cluster.url, r.json()["id"])
+    assert final["status"] == "completed", final
+    got = fresh(cluster.url, "GET", f"/v1/videos/{final['id']}/content").content
+    missing = fresh(cluster.url, "POST", "/v1/videos", data=data)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input_reference"
+    assert "WanImageToVideoPipeline makes videos from an image" in missing.json()["error"]["message"]
+    model = cluster.models["wan2.2-i2v"]
+    engine = make_engine(str(model))
+    try:
+        with TestClient(create_app(engine.inner, settings_for(model)), base_url="http://127.0.0.1",
+                        headers=AUTH) as client:
+            job = client.post("/v1/videos", data=data, files=files).json()
+            deadline = time.monotonic() + 60
+            while client.get(f"/v1/videos/{job['id']}").json()["status"] != "completed":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            want = client.get(f"/v1/videos/{job['id']}/content").content
+    finally:
+        engine.inner.close()
+    assert got == want

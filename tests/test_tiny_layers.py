@@ -20,6 +20,7 @@ KINDS = tiny_pipelines.KINDS
 DEFAULT_DEPTHS = {
     "wan2.1": {"transformer.blocks": 2},
     "wan2.2": {"transformer.blocks": 2, "transformer_2.blocks": 2},
+    "wan2.2-i2v": {"transformer.blocks": 2, "transformer_2.blocks": 2},
     "flux": {"transformer.transformer_blocks": 1, "transformer.single_transformer_blocks": 2},
     "sd3": {"transformer.transformer_blocks": 2},
     "qwen-image": {"transformer.transformer_blocks": 2},

@@ -33,7 +33,7 @@ EXIT_FAILURE = 1
 
 DEFAULT_PROMPT = "a red fox running through fresh snow"
 
-_TINY_KINDS = ("wan2.1", "wan2.2", "flux", "sd3", "qwen-image")  # testing.tiny_pipelines.KINDS
+_TINY_KINDS = ("wan2.1", "wan2.2", "wan2.2-i2v", "flux", "sd3", "qwen-image")  # testing.tiny_pipelines.KINDS
 
 
 class CliError(Exception):

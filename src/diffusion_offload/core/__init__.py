@@ -5,6 +5,7 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 
 - ``config``: ``DiffusionOffloadConfig``, the validated offload config (torch-free).
 - ``platform``: one ``Platform`` per device kind (streams, events, pinning, memory queries).
+- ``caches``: clearing the method caches that keep a pipeline's device tensors alive.
 - ``hostmem``: host memory: pinning in place, what the host has.
 - ``writes``: write detection: fingerprints of a tensor's bytes, its host-visible write state.
 - ``quantized``: the plain tensors that carry each weight (quantized formats), refusals.

@@ -28,14 +28,15 @@ layers of the language model that Qwen-Image uses as its text encoder; the visio
 stays resident).
 
 The table also lists the other diffusers 0.42 transformers of the families layer mode is
-tested on (HunyuanVideo, HunyuanVideo 1.5, LTX, LTX-2, CogVideoX, Sana, PixArt, Chroma, Lumina2, HiDream,
-FLUX.2, Mochi, SkyReels-V2, Kandinsky 5, Z-Image) and the decoder LLMs used as text encoders
-(Llama, Gemma, Gemma 2, Qwen3, GLM, Mistral 3), so that where a forward runs its containers
+tested on (HunyuanVideo, HunyuanVideo 1.5, LTX, LTX-2, CogVideoX, Sana, PixArt, Chroma,
+Lumina2, HiDream, FLUX.2, Mochi, SkyReels-V2, Kandinsky 5, Z-Image) and the decoder LLMs
+used as text encoders (Llama, Gemma, Gemma 2, Qwen3, GLM, Mistral 3), so that where a forward runs its containers
 out of definition order (Lumina2: ``context_refiner`` before ``noise_refiner``) the first
 call's order is right too.
 
 The order of the blocks is the order of the containers, then of their children: the order
-a forward runs them in for every model in the table.
+a forward runs them in for every model in the table. A child that is itself an
+``nn.ModuleList`` (no forward of its own, so never called) is replaced by its children.
 """
 
 from __future__ import annotations
@@ -199,6 +200,21 @@ def _resolve(module: nn.Module, path: str) -> Any:
     return obj
 
 
+def _callable_children(path: str, container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``container``'s children as ``(dotted name, module)``, an ``nn.ModuleList`` child
+    replaced by its own children (recursively): a ModuleList has no forward, so the
+    streamer's hooks on it would never run (StableCascadeUNet's ``down_blocks`` hold one
+    ``nn.ModuleList`` of blocks per level)."""
+    out: list[tuple[str, nn.Module]] = []
+    for child_name, child in container.named_children():
+        name = f"{path}.{child_name}"
+        if isinstance(child, nn.ModuleList):
+            out += _callable_children(name, child)
+        else:
+            out.append((name, child))
+    return out
+
+
 def discover_blocks(
     module: nn.Module, override: Sequence[str] | None = None, *, component: str = ""
 ) -> list[tuple[str, nn.Module]]:
@@ -253,8 +269,7 @@ def discover_blocks(
                 f"(from {source}) is {found}, expected an nn.ModuleList or nn.Sequential of "
                 f"blocks; looked for {list(paths)}"
             )
-        for idx, (child_name, block) in enumerate(container.named_children()):
-            name = f"{path}.{child_name}"
+        for name, block in _callable_children(path, container):
             if id(block) in seen:
                 raise ValueError(
                     f"component {label!r}: block {name!r} is the same module as "

@@ -22,12 +22,13 @@ from ..core.platform import Platform, normalize_device, platform_for
 from ..core.stats import TransferStats
 from ..core.tiers import auto_host_budget, check_budget
 from ..models.fit import Footprint, check_fit
-from ..models.caches import clear_method_caches
+from ..core.caches import clear_method_caches
 from ..models.files import ModelInfo, inspect_model, resolve_model
-from .knobs import knob_table
+from .knobs import KnobError, knob_table
 from .params import GenerationOutput, SamplingParams
 from .requests import (
-    PromptItem, call_kwargs, check_request, normalize_prompts, request_overrides, variant_for,
+    PromptItem, call_kwargs, check_request, image_input, normalize_prompts, request_overrides,
+    variant_for,
 )
 from .trace import TraceRecorder
 
@@ -419,6 +420,20 @@ class Omni:
         return self.info.is_video
 
     @property
+    def pipeline_class(self) -> str:
+        """The served pipeline's diffusers class name (``model_index.json``'s)."""
+        return self.info.pipeline_class
+
+    @property
+    def image_input(self) -> str | None:
+        """How the served pipeline takes a prompt's ``image`` itself: ``"required"``
+        (image-to-video), ``"optional"`` (an edit model) or None (edits run through its
+        image-to-image variant). Raises RuntimeError once the engine is closed."""
+        if self.pipeline is None:
+            raise RuntimeError("this Omni engine is closed; build a new one to generate")
+        return image_input(self.pipeline)
+
+    @property
     def stats(self) -> TransferStats:
         """The engine's cumulative weight-move counters (zeros without offload)."""
         return self.backend.stats if self.backend is not None else TransferStats()
@@ -476,6 +491,10 @@ class Omni:
             if item.negative is not None and "negative_prompt" not in self._call_params:
                 raise ValueError(f"{self.info.pipeline_class} takes no negative_prompt")
             pipe, knobs, refused = self._pipeline_for(item)
+            if item.images is None and image_input(pipe) == "required":
+                raise KnobError("image", f"{self.info.pipeline_class} makes its output from an "
+                                         "input image: give 'image' (a PIL image) in the prompt "
+                                         "mapping (generate --image PATH)")
             kwargs = call_kwargs(pipe, knobs, refused, params, item.negative is not None)
             frames = kwargs.get("num_frames")
             factor = getattr(self.pipeline, "vae_scale_factor_temporal", None)
@@ -531,7 +550,9 @@ class Omni:
             One ``GenerationOutput`` per prompt, in order.
 
         Raises:
-            TypeError, ValueError: malformed prompts or unsupported parameters.
+            TypeError, ValueError: malformed prompts or unsupported parameters; a
+                ``KnobError`` (a ``ValueError``, ``field="image"``) for a prompt without
+                ``image`` on a pipeline that needs one (image-to-video).
             RuntimeError: the engine was closed.
             torch.OutOfMemoryError: the device ran out of memory; the message names
                 the stage and the component being loaded.

@@ -110,6 +110,16 @@ def variant_for(pipeline: Any, item: PromptItem) -> str | None:
     return "inpaint" if item.mask is not None else "image2image"
 
 
+def image_input(pipeline: Any) -> str | None:
+    """How ``pipeline.__call__`` takes an input ``image``: ``"required"`` (image-to-video:
+    ``WanImageToVideoPipeline``; a prompt without one cannot run), ``"optional"`` (edit
+    models: FLUX.1-Kontext, Qwen-Image-Edit) or None (text-to-image/video only)."""
+    param = inspect.signature(pipeline.__call__).parameters.get("image")
+    if param is None:
+        return None
+    return "required" if param.default is inspect.Parameter.empty else "optional"
+
+
 def shift_key(scheduler: Any) -> str | None:
     """The scheduler config key that ``flow_shift`` sets: ``flow_shift`` (UniPC, DPM),
     ``shift`` (FlowMatchEuler), or None when it has neither."""

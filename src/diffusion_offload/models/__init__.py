@@ -6,5 +6,4 @@ planner, the engine, the server and the CLI (all above it).
 - ``rules``: the request rules of a model: size multiple, frame step, defaults
   (``ModelRules``, ``model_rules``, ``frames_for_seconds``).
 - ``fit``: will a config's resting footprint fit the device (``check_fit``, ``FitError``).
-- ``caches``: clearing method caches that hold a loaded pipeline's device tensors.
 """

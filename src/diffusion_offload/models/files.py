@@ -276,7 +276,8 @@ def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
 
     Raises:
         ModelError: no or invalid ``model_index.json``, a pipeline class diffusers does
-            not have, one that is not text-to-image/video (needs an input image), no
+            not have, one without a ``prompt`` or that needs a ``video`` or a
+            ``control_image`` (an ``image`` is fine: edits, image-to-video), no
             files of ``variant``, a model component without its weight file (named), or a
             truncated, corrupt or unreadable weight file.
     """
@@ -296,12 +297,13 @@ def inspect_model(path: Path, variant: str | None = None) -> ModelInfo:
     import inspect
 
     params = inspect.signature(cls.__call__).parameters
-    required = [n for n in ("image", "video", "control_image") if n in params
+    required = [n for n in ("video", "control_image") if n in params
                 and params[n].default is inspect.Parameter.empty]
-    if "prompt" not in params or required or "image" in params:
+    if "prompt" not in params or required:
         raise ModelError(
             f"pipeline class {class_name!r} is not supported: diffusion_offload runs "
-            "text-to-image and text-to-video pipelines (prompt in, image or video out)"
+            "pipelines that take a prompt and at most an input image (text-to-image, "
+            "text-to-video, image edits, image-to-video)"
         )
     components: dict[str, tuple[str, str]] = {}
     numels: dict[str, dict[str, int]] = {}

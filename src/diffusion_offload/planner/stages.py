@@ -681,7 +681,7 @@ def _clear_caches(pm: PlanModel) -> None:
     """Clear the method caches of the meta modules' classes (Qwen-Image's rotary tables)."""
     from types import SimpleNamespace
 
-    from ..models.caches import clear_method_caches
+    from ..core.caches import clear_method_caches
 
     clear_method_caches(SimpleNamespace(components=dict(pm.modules)))
 

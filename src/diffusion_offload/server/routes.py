@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import inspect
 import json
 import logging
 import secrets
@@ -72,6 +71,13 @@ def _prompt_item(req: Any) -> Any:
     if req.negative_prompt is None:
         return req.prompt
     return {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
+
+
+def _image_input(engine: Any) -> tuple[str | None, str]:
+    """``(how the model takes an image, its pipeline class)``: ``Omni.image_input``
+    (``"required"``, ``"optional"`` or None; Ray's remote engine reports the generators'),
+    None for engines that do not say (test doubles)."""
+    return getattr(engine, "image_input", None), getattr(engine, "pipeline_class", "this model")
 
 
 def _check_with_engine(engine: Any, prompt: Any, params: Any) -> None:
@@ -492,6 +498,11 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         prompt = _prompt_item(req)
         if reference:
             prompt = await reference_prompt(engine, req, reference)
+        elif _image_input(engine)[0] == "required":
+            raise APIError(400, f"Missing required parameter: 'input_reference': "
+                                f"{_image_input(engine)[1]} makes videos from an image; "
+                                "upload it as 'input_reference' in a multipart form.",
+                           param="input_reference", code="missing_required_parameter")
         _check_with_engine(engine, prompt, params)
         job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size,
                                    seconds=req.seconds), store=True)
@@ -507,10 +518,8 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         if len(files) > 1:
             raise APIError(400, "Invalid value for 'input_reference': give one image.",
                            param="input_reference", code="invalid_value")
-        pipeline = getattr(engine, "pipeline", None)
-        takes = pipeline is not None and "image" in inspect.signature(pipeline.__call__).parameters
-        if not takes:
-            name = type(pipeline).__name__ if pipeline is not None else "this engine"
+        takes, name = _image_input(engine)
+        if takes is None:
             raise APIError(400, f"Invalid value for 'input_reference': {name} makes videos from "
                                 "text only; an image-to-video model (such as Wan2.2-I2V-A14B, "
                                 "WanImageToVideoPipeline) takes a reference image.",

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.caches import clear_method_caches
-from . import tiny_families, tiny_pipelines, tiny_video_families
+from ..core.caches import clear_method_caches
+from . import tiny_families, tiny_image_families, tiny_pipelines, tiny_video_families
 
-__all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference"]
+__all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference", "weight_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +54,18 @@ def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
     return (lambda: tiny_families.build(name)), (lambda pipe: tiny_families.run(name, pipe).numpy())
 
 
-def _video_family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
+def _image(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
+    return (lambda: tiny_image_families.build(name)), (lambda pipe: tiny_image_families.run(name, pipe).numpy())
+
+
+def _video(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
     return (lambda: tiny_video_families.build(name)), (lambda pipe: tiny_video_families.run(name, pipe).numpy())
 
 
 FAMILIES: dict[str, Family] = {
     "wan2.1": Family("Wan2.1", "WanPipeline", *_kind("wan2.1")),
     "wan2.2": Family("Wan2.2 T2V", "WanPipeline", *_kind("wan2.2")),
+    "wan2.2-i2v": Family("Wan2.2 I2V", "WanImageToVideoPipeline", *_kind("wan2.2-i2v")),
     "flux": Family("FLUX.1", "FluxPipeline", *_kind("flux")),
     "sd3": Family("SD3 / SD3.5", "StableDiffusion3Pipeline", *_kind("sd3")),
     "qwen-image": Family("Qwen-Image", "QwenImagePipeline", *_kind("qwen-image")),
@@ -69,15 +74,25 @@ FAMILIES: dict[str, Family] = {
     "sd-controlnet": Family("SD 1.x + ControlNet", "StableDiffusionControlNetPipeline", *_family("sd-controlnet")),
     "kandinsky2.2": Family("Kandinsky 2.2 decoder", "KandinskyV22Pipeline", *_family("kandinsky2.2")),
     "dit": Family("DiT (class-conditional)", "DiTPipeline", *_family("dit")),
-    "hunyuan-video": Family("HunyuanVideo", "HunyuanVideoPipeline", *_video_family("hunyuan-video")),
-    "hunyuan-video-1.5": Family("HunyuanVideo 1.5", "HunyuanVideo15Pipeline", *_video_family("hunyuan-video-1.5")),
-    "ltx-video": Family("LTX-Video", "LTXPipeline", *_video_family("ltx-video")),
-    "ltx2": Family("LTX-2", "LTX2Pipeline", *_video_family("ltx2")),
-    "cogvideox": Family("CogVideoX", "CogVideoXPipeline", *_video_family("cogvideox")),
-    "mochi": Family("Mochi", "MochiPipeline", *_video_family("mochi")),
-    "skyreels-v2": Family("SkyReels-V2", "SkyReelsV2Pipeline", *_video_family("skyreels-v2")),
-    "animatediff": Family("AnimateDiff", "AnimateDiffPipeline", *_video_family("animatediff")),
-    "kandinsky5": Family("Kandinsky 5 (T2V)", "Kandinsky5T2VPipeline", *_video_family("kandinsky5")),
+    "flux-controlnet": Family("FLUX.1 + ControlNet", "FluxControlNetPipeline", *_image("flux-controlnet")),
+    "sdxl-controlnet": Family("SDXL + ControlNet", "StableDiffusionXLControlNetPipeline", *_image("sdxl-controlnet")),
+    "z-image": Family("Z-Image", "ZImagePipeline", *_image("z-image")),
+    "sana": Family("Sana", "SanaPipeline", *_image("sana")),
+    "lumina2": Family("Lumina2", "Lumina2Pipeline", *_image("lumina2")),
+    "hidream": Family("HiDream", "HiDreamImagePipeline", *_image("hidream")),
+    "flux2": Family("FLUX.2", "Flux2Pipeline", *_image("flux2")),
+    "stable-cascade": Family("Stable Cascade (prior + decoder)", "StableCascadeCombinedPipeline",
+                             *_image("stable-cascade")),
+    "qwen-image-edit": Family("Qwen-Image-Edit", "QwenImageEditPipeline", *_image("qwen-image-edit")),
+    "hunyuan-video": Family("HunyuanVideo", "HunyuanVideoPipeline", *_video("hunyuan-video")),
+    "hunyuan-video-1.5": Family("HunyuanVideo 1.5", "HunyuanVideo15Pipeline", *_video("hunyuan-video-1.5")),
+    "ltx-video": Family("LTX-Video", "LTXPipeline", *_video("ltx-video")),
+    "ltx2": Family("LTX-2", "LTX2Pipeline", *_video("ltx2")),
+    "cogvideox": Family("CogVideoX", "CogVideoXPipeline", *_video("cogvideox")),
+    "mochi": Family("Mochi", "MochiPipeline", *_video("mochi")),
+    "skyreels-v2": Family("SkyReels-V2", "SkyReelsV2Pipeline", *_video("skyreels-v2")),
+    "animatediff": Family("AnimateDiff", "AnimateDiffPipeline", *_video("animatediff")),
+    "kandinsky5": Family("Kandinsky 5 (T2V)", "Kandinsky5T2VPipeline", *_video("kandinsky5")),
 }
 """Family key -> ``Family``, in the README's order."""
 
@@ -137,7 +152,9 @@ def reference(family: str, device: torch.device) -> np.ndarray:
         clear_method_caches(pipe)  # QwenEmbedRope memoizes device tensors per (self, device)
 
 
-def _weight_bytes(pipe: Any) -> int:
+def weight_bytes(pipe: Any) -> int:
+    """Bytes of every parameter and buffer of the pipeline's ``nn.Module`` components, each
+    tensor counted once (shared ones too)."""
     seen: dict[int, int] = {}
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
@@ -159,7 +176,7 @@ def _backend(mode: str, pipe: Any, device: torch.device) -> Any:
         return LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, device)
     if mode == "budget":
         return ModelLevelOffloadBackend(parse_diffusion_offload_config(None, enable_cpu_offload=True), device,
-                                        device_memory_budget=_weight_bytes(pipe) // 2)
+                                        device_memory_budget=weight_bytes(pipe) // 2)
     raise ValueError(f"mode={mode!r} is not a matrix mode; allowed: {sorted(MODES)}")
 
 

@@ -29,6 +29,12 @@ Kinds, pipeline classes and components (``name: class``):
     registered config ``boundary_ratio=0.875``. With :func:`default_call_kwargs` the two
     steps run at timesteps 999 (``transformer``) and 750 (``transformer_2``), so both DiTs
     run in one call.
+``"wan2.2-i2v"``  :class:`~diffusers.WanImageToVideoPipeline`
+    image-to-video laid out like Wan2.2-I2V-A14B: the components of ``"wan2.2"`` (two
+    experts, ``boundary_ratio=0.875``), no ``image_encoder`` / ``image_processor`` (the
+    image conditions the DiTs through the VAE: ``expand_timesteps=False``), and DiTs with
+    ``in_channels=36`` (16 noise + 4 first-frame mask + 16 VAE-encoded image channels).
+    :func:`default_call_kwargs` adds a fixed 32x32 RGB ``image``.
 ``"flux"``  :class:`~diffusers.FluxPipeline`
     ``transformer: FluxTransformer2DModel`` (guidance-distilled, like FLUX.1-dev),
     ``vae: AutoencoderKL``, ``text_encoder: CLIPTextModel``, ``tokenizer: CLIPTokenizer``,
@@ -92,12 +98,13 @@ __all__ = [
 #: (JSON: ``{"kind": ..., "seed": ..., "num_layers": ...}``, see :func:`read_marker`)
 MARKER = "diffusion_offload_tiny.json"
 
-KINDS: tuple[str, ...] = ("wan2.1", "wan2.2", "flux", "sd3", "qwen-image")
+KINDS: tuple[str, ...] = ("wan2.1", "wan2.2", "wan2.2-i2v", "flux", "sd3", "qwen-image")
 """The pipeline kinds :func:`build`, :func:`save` and :func:`default_call_kwargs` accept."""
 
 DIT_BLOCKS: dict[str, tuple[str, ...]] = {
     "wan2.1": ("transformer.blocks",),
     "wan2.2": ("transformer.blocks", "transformer_2.blocks"),
+    "wan2.2-i2v": ("transformer.blocks", "transformer_2.blocks"),
     "flux": ("transformer.transformer_blocks", "transformer.single_transformer_blocks"),
     "sd3": ("transformer.transformer_blocks",),
     "qwen-image": ("transformer.transformer_blocks",),
@@ -110,6 +117,7 @@ default depths: Wan 2, Flux 1 (double) and 2 (single), SD3 2, Qwen-Image 2."""
 ENCODER_BLOCKS: dict[str, tuple[str, ...]] = {
     "wan2.1": ("text_encoder.encoder.block",),
     "wan2.2": ("text_encoder.encoder.block",),
+    "wan2.2-i2v": ("text_encoder.encoder.block",),
     "flux": ("text_encoder.encoder.layers", "text_encoder_2.encoder.block"),
     "sd3": (
         "text_encoder.text_model.encoder.layers",
@@ -299,14 +307,19 @@ def _flow_match_scheduler(**kwargs: Any):
 # --------------------------------------------------------------------------- pipelines
 
 
-def _wan_transformer(num_layers: int | None = None):
+#: latent channels of an image-to-video Wan DiT's input: 16 noise, 4 first-frame mask (one
+#: per frame of a temporal group of the VAE), 16 of the VAE-encoded image
+_I2V_IN_CHANNELS = 16 + 4 + 16
+
+
+def _wan_transformer(num_layers: int | None = None, in_channels: int = 16):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
-        in_channels=16,
+        in_channels=in_channels,
         out_channels=16,
         text_dim=32,
         freq_dim=256,
@@ -319,22 +332,31 @@ def _wan_transformer(num_layers: int | None = None):
 
 
 def _build_wan(kind: str, seed: int, num_layers: int | None):
-    from diffusers import WanPipeline
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
+    channels = _I2V_IN_CHANNELS if kind == "wan2.2-i2v" else 16
     tokenizer = t5_tokenizer()
     components: dict[str, Any] = {
         "tokenizer": tokenizer,
         "text_encoder": _seeded(kind, "text_encoder", seed, lambda: _umt5_encoder(len(tokenizer))),
-        "transformer": _seeded(kind, "transformer", seed, lambda: _wan_transformer(num_layers)),
+        "transformer": _seeded(
+            kind, "transformer", seed, lambda: _wan_transformer(num_layers, channels)
+        ),
         "vae": _seeded(kind, "vae", seed, _wan_vae),
         "scheduler": _wan_scheduler(),
     }
+    if kind == "wan2.1":
+        return WanPipeline(**components)
+    components["transformer_2"] = _seeded(
+        kind, "transformer_2", seed, lambda: _wan_transformer(num_layers, channels)
+    )
     if kind == "wan2.2":
-        components["transformer_2"] = _seeded(
-            kind, "transformer_2", seed, lambda: _wan_transformer(num_layers)
-        )
         return WanPipeline(**components, boundary_ratio=0.875)
-    return WanPipeline(**components)
+    # Wan2.2-I2V-A14B: no CLIP image encoder, the image is VAE-encoded into the DiT's input
+    return WanImageToVideoPipeline(
+        **components, image_encoder=None, image_processor=None, boundary_ratio=0.875,
+        expand_timesteps=False,
+    )
 
 
 def _build_flux(kind: str, seed: int, num_layers: int | None):
@@ -481,6 +503,7 @@ def _build_qwen_image(kind: str, seed: int, num_layers: int | None):
 _BUILDERS: dict[str, Callable[[str, int, int | None], Any]] = {
     "wan2.1": _build_wan,
     "wan2.2": _build_wan,
+    "wan2.2-i2v": _build_wan,
     "flux": _build_flux,
     "sd3": _build_sd3,
     "qwen-image": _build_qwen_image,
@@ -527,7 +550,8 @@ def build(kind: str, seed: int = 0, num_layers: int | None = None):
         num_layers: None (default) keeps the default depths (Wan 2 blocks, Flux 1 double +
             2 single blocks, SD3 2, Qwen-Image 2), with exactly the weights this function
             has always built for ``(kind, seed)``. An integer N >= 1 gives every DiT N
-            blocks: Wan ``transformer.blocks`` (Wan2.2: ``transformer_2.blocks`` too), Flux
+            blocks: Wan ``transformer.blocks`` (Wan2.2 and Wan2.2 I2V: ``transformer_2.blocks``
+            too), Flux
             ``transformer.transformer_blocks`` *and* ``transformer.single_transformer_blocks``,
             SD3 and Qwen-Image ``transformer.transformer_blocks`` (see :data:`DIT_BLOCKS`).
             Text encoders, VAEs and everything else are unchanged. Float32 bytes per
@@ -537,8 +561,8 @@ def build(kind: str, seed: int = 0, num_layers: int | None = None):
             depth gives the default weights for Wan, SD3 and Qwen-Image, not for Flux).
 
     Returns:
-        A :class:`diffusers.DiffusionPipeline` (``WanPipeline``, ``FluxPipeline``,
-        ``StableDiffusion3Pipeline`` or ``QwenImagePipeline``) on the CPU, every
+        A :class:`diffusers.DiffusionPipeline` (``WanPipeline``, ``WanImageToVideoPipeline``,
+        ``FluxPipeline``, ``StableDiffusion3Pipeline`` or ``QwenImagePipeline``) on the CPU, every
         ``torch.nn.Module`` component float32 and in ``eval()`` mode, progress bars
         disabled. Each model component holds at most a few hundred KiB of parameters;
         component names are listed in the module docstring.
@@ -708,6 +732,16 @@ def block_containers(
     return out
 
 
+def _reference_image() -> Any:
+    """A 32x32 RGB ``PIL.Image``: a fixed pattern of colours (no randomness)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:32, 0:32]
+    pixels = np.stack([x * 8, y * 8, (x + y) * 4 % 256], axis=-1).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
 def default_call_kwargs(kind: str) -> dict[str, Any]:
     """Keyword arguments for ``pipe(prompt=..., **kwargs)`` that make a fast, valid run.
 
@@ -717,8 +751,10 @@ def default_call_kwargs(kind: str) -> dict[str, Any]:
     is not included. Resulting outputs: Wan ``frames`` ``(1, 5, 32, 32, 3)`` for
     ``output_type="np"``; image kinds ``images`` ``(1, 32, 32, 3)``.
 
-    For ``"wan2.2"`` the two steps run at timesteps 999 and 750, on either side of the
-    boundary (875), so ``transformer`` and ``transformer_2`` each run once.
+    For ``"wan2.2"`` and ``"wan2.2-i2v"`` the two steps run at timesteps 999 and 750, on
+    either side of the boundary (875), so ``transformer`` and ``transformer_2`` each run
+    once. ``"wan2.2-i2v"`` also gets ``image``: a new 32x32 RGB ``PIL.Image`` (a fixed
+    colour pattern, the same pixels on every call) that becomes the first frame.
 
     Returns:
         A new dict on every call.
@@ -730,14 +766,15 @@ def default_call_kwargs(kind: str) -> dict[str, Any]:
     common: dict[str, Any] = {"height": 32, "width": 32, "num_inference_steps": 2}
     if kind == "wan2.1":
         return {**common, "num_frames": 5, "guidance_scale": 5.0, "max_sequence_length": 16}
-    if kind == "wan2.2":
-        return {
+    if kind in ("wan2.2", "wan2.2-i2v"):
+        wan22 = {
             **common,
             "num_frames": 5,
             "guidance_scale": 4.0,
             "guidance_scale_2": 3.0,
             "max_sequence_length": 16,
         }
+        return wan22 if kind == "wan2.2" else {**wan22, "image": _reference_image()}
     if kind == "flux":
         return {**common, "guidance_scale": 3.5, "max_sequence_length": 16}
     if kind == "sd3":

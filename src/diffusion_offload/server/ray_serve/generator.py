@@ -27,6 +27,24 @@ __all__ = ["DiffusionGenerator"]
 logger = logging.getLogger("diffusion_offload.server")
 
 
+def _edit_tables(engine: Any) -> dict[str, Any] | None:
+    """What ``/v1/images/edits`` needs of an image model, for the ingress (which has no
+    pipeline): ``{"image": ..., "mask": ...}``, each ``engine.knobs_for(mask)``'s
+    ``(knobs, refused)`` or, when the model has no such variant, the ``ValueError``'s
+    message. None for a video model or an engine that cannot edit (no ``knobs_for``).
+    Builds the image-to-image and inpainting variants now (they share every weight)."""
+    knobs_for = getattr(engine, "knobs_for", None)
+    if knobs_for is None or engine.is_video:
+        return None
+    tables: dict[str, Any] = {}
+    for key, mask in (("image", False), ("mask", True)):
+        try:
+            tables[key] = knobs_for(mask)
+        except ValueError as exc:
+            tables[key] = str(exc)
+    return tables
+
+
 class DiffusionGenerator:
     """One engine on one accelerator; runs the jobs the index sends, one at a time.
 
@@ -58,6 +76,9 @@ class DiffusionGenerator:
         self.actor = _actor_name()
         self.model = {
             "is_video": bool(engine.is_video),
+            "image_input": getattr(engine, "image_input", None),  # image-to-video: "required"
+            "pipeline_class": getattr(engine, "pipeline_class", "this model"),
+            "edits": await asyncio.to_thread(_edit_tables, engine),
             "rules": self.state.rules,
             "limits": self.state.limits,
             "plan": getattr(engine, "plan_message", None),  # auto's pick, printed by the driver

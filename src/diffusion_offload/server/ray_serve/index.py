@@ -288,8 +288,9 @@ class JobIndex:
             del self._replicas[label]
 
     def model(self) -> dict | None:
-        """``{"is_video", "rules", "limits", "plan"}`` from the first generator, or None
-        yet (``plan``: the line ``diffusion_offload_config="auto"`` logged for its pick)."""
+        """``{"is_video", "image_input", "pipeline_class", "edits", "rules", "limits", "plan"}``
+        from the first generator, or None yet (``plan``: the line
+        ``diffusion_offload_config="auto"`` logged for its pick)."""
         return self._model
 
     def _alive(self) -> list[tuple[str, dict[str, Any]]]:

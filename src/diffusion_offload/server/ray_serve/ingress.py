@@ -32,10 +32,30 @@ logger = logging.getLogger("diffusion_offload.server")
 
 
 class _RemoteEngine:
-    """What the routes ask of the engine, for a model that runs on the generators."""
+    """What the routes ask of the engine, for a model that runs on the generators: as
+    ``Omni``'s ``is_video``, ``image_input`` (``"required"``, ``"optional"`` or None),
+    ``pipeline_class`` and ``knobs_for``, from a generator's description of its model
+    (``edits``: ``generator._edit_tables``'s, None when it cannot edit)."""
 
-    def __init__(self, is_video: bool) -> None:
+    def __init__(self, is_video: bool, image_input: str | None = None,
+                 pipeline_class: str = "this model", edits: dict[str, Any] | None = None) -> None:
         self.is_video = is_video
+        self.image_input = image_input
+        self.pipeline_class = pipeline_class
+        self._edits = edits
+
+    def knobs_for(self, mask: bool) -> tuple[dict[str, Any], dict[str, str]]:
+        """``(knobs, refused)`` of the pipeline that edits (``mask``: inpaints) an image.
+
+        Raises:
+            ValueError: the model has no such variant, or cannot edit images at all.
+        """
+        table = (self._edits or {}).get("mask" if mask else "image")
+        if table is None:
+            raise ValueError(f"{self.pipeline_class} cannot edit images")
+        if isinstance(table, str):
+            raise ValueError(table)
+        return table
 
 
 async def _call(ref: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
@@ -112,7 +132,9 @@ class RayIngressState(BaseServerState):
                 self.rules = model["rules"]
                 self.limits = model["limits"]
                 self.loaded_at = int(time.time())
-                self.engine = _RemoteEngine(model["is_video"])
+                self.engine = _RemoteEngine(model["is_video"], model.get("image_input"),
+                                            model.get("pipeline_class", "this model"),
+                                            model.get("edits"))
                 return
             checks += 1
             if checks % 10 == 0 and await asyncio.to_thread(self._deploy_failed):

@@ -1,7 +1,8 @@
 """Clearing the method caches that keep a pipeline's device tensors alive.
 
-Used by the engine when it closes a pipeline and by the planner after measuring on meta
-modules; it reads only the pipeline's ``components`` and their classes.
+Used by the engine when it closes a pipeline, by the planner after measuring on meta
+modules and by the compatibility matrix after each run; it reads only the pipeline's
+``components`` and their classes.
 """
 
 from __future__ import annotations

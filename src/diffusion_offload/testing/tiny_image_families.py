@@ -1,0 +1,464 @@
+"""Tiny random pipelines of diffusers *image* families for the compatibility matrix (issue 25).
+
+Same interface as ``tiny_families``: ``build(name) -> pipe`` (on the host, progress bar off,
+random weights seeded per component, our own tokenizers from ``tiny_tokenizers``) and
+``run(name, pipe) -> torch.Tensor`` (float64 on the host: the pipeline's ``output_type="np"``
+images ``(1, H, W, 3)``, H = W = 32 unless stated, two denoising steps, guidance on).
+The text encoders that transformers ships in large sizes only (Gemma 2, Llama, Qwen3,
+Mistral 3) are built from tiny configs.
+
+Families (``FAMILIES``):
+
+- ``"flux-controlnet"``: ``FluxControlNetPipeline`` (FLUX.1 transformer + ``FluxControlNetModel``).
+- ``"sdxl-controlnet"``: ``StableDiffusionXLControlNetPipeline`` (SDXL unet + ``ControlNetModel``,
+  two CLIP text encoders).
+- ``"z-image"``: ``ZImagePipeline`` (``ZImageTransformer2DModel``, Qwen3 text encoder).
+- ``"sana"``: ``SanaPipeline`` (``SanaTransformer2DModel``, Gemma 2, ``AutoencoderDC``).
+- ``"lumina2"``: ``Lumina2Pipeline`` (``Lumina2Transformer2DModel``, Gemma 2); images
+  ``(1, 16, 16, 3)``.
+- ``"hidream"``: ``HiDreamImagePipeline`` (``HiDreamImageTransformer2DModel``, two CLIPs, T5, Llama).
+- ``"flux2"``: ``Flux2Pipeline`` (``Flux2Transformer2DModel``, Mistral 3, ``AutoencoderKLFlux2``).
+- ``"stable-cascade"``: ``StableCascadeCombinedPipeline`` (``prior_prior`` and ``decoder``
+  ``StableCascadeUNet`` s, the prior's CLIP text encoder, ``vqgan``); images ``(1, 128, 128, 3)``.
+- ``"qwen-image-edit"``: ``QwenImageEditPipeline`` (``tiny_pipelines``' Qwen-Image transformer and
+  Qwen2.5-VL text encoder, which also sees the input image, and ``Qwen2VLProcessor``); images
+  ``(1, 64, 64, 3)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .tiny_tokenizers import clip_tokenizer, qwen2_tokenizer, t5_tokenizer
+
+__all__ = ["FAMILIES", "build", "run"]
+
+#: a chat template for our byte-level tokenizers (Z-Image, FLUX.2): a message's content is
+#: a string or a list of ``{"type": "text", "text": ...}`` parts
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _seeded(factory: Callable[[], Any]) -> Any:
+    torch.manual_seed(0)
+    return factory()
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(0)
+
+
+def _control_image() -> torch.Tensor:
+    return torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def _chat_tokenizer() -> Any:
+    tokenizer = qwen2_tokenizer()
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    return tokenizer
+
+
+def _flux_vae() -> Any:
+    from .tiny_pipelines import _autoencoder_kl
+
+    return _seeded(lambda: _autoencoder_kl(0.3611, 0.1159))
+
+
+def _clip_text(tokenizer: Any, projection: bool, hidden: int = 32) -> Any:
+    import transformers
+
+    from .tiny_pipelines import _clip_config
+
+    cls = transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel
+    return _seeded(lambda: cls(_clip_config(len(tokenizer), hidden, hidden)).eval())
+
+
+def _t5(tokenizer: Any, d_model: int = 32) -> Any:
+    from .tiny_pipelines import _t5_encoder
+
+    return _seeded(lambda: _t5_encoder(len(tokenizer), d_model).eval())
+
+
+def _gemma2(tokenizer: Any, hidden: int) -> Any:
+    from transformers import Gemma2Config, Gemma2Model
+
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        attn_implementation="eager",
+    )
+    return _seeded(lambda: Gemma2Model(config).eval())
+
+
+# --------------------------------------------------------------------------- FLUX.1 ControlNet
+
+
+def _build_flux_controlnet():
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    from . import tiny_pipelines
+
+    flux = tiny_pipelines.build("flux")
+    controlnet = _seeded(lambda: FluxControlNetModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=[4, 6, 6],
+    ))
+    return FluxControlNetPipeline(controlnet=controlnet, **flux.components)
+
+
+def _run_flux_controlnet(pipe: Any) -> Any:
+    return pipe(prompt="a cat", control_image=_control_image(), controlnet_conditioning_scale=0.5,
+                height=32, width=32, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=16,
+                generator=_generator(), output_type="np").images
+
+
+# --------------------------------------------------------------------------- SDXL + ControlNet
+
+
+def _build_sdxl_controlnet():
+    from diffusers import (
+        ControlNetModel,
+        EulerDiscreteScheduler,
+        StableDiffusionXLControlNetPipeline,
+        UNet2DConditionModel,
+    )
+
+    from .tiny_families import _sd_vae
+
+    common = dict(
+        block_out_channels=(8, 16), layers_per_block=1, in_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), attention_head_dim=(2, 4),
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 1), projection_class_embeddings_input_dim=80,  # 6 * 8 + 32
+        cross_attention_dim=64, norm_num_groups=4,
+    )
+    unet = _seeded(lambda: UNet2DConditionModel(
+        sample_size=16, out_channels=4, up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), **common))
+    controlnet = _seeded(lambda: ControlNetModel(conditioning_embedding_out_channels=(16, 32), **common))
+    tokenizer, tokenizer_2 = clip_tokenizer(), clip_tokenizer()
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, steps_offset=1,
+                                       beta_schedule="scaled_linear", timestep_spacing="leading")
+    return StableDiffusionXLControlNetPipeline(
+        vae=_sd_vae(), text_encoder=_clip_text(tokenizer, False), tokenizer=tokenizer,
+        text_encoder_2=_clip_text(tokenizer_2, True), tokenizer_2=tokenizer_2, unet=unet,
+        controlnet=controlnet, scheduler=scheduler, force_zeros_for_empty_prompt=True,
+    )
+
+
+def _run_sdxl_controlnet(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", image=_control_image(), height=32, width=32,
+                num_inference_steps=2, guidance_scale=6.0, generator=_generator(), output_type="np").images
+
+
+# --------------------------------------------------------------------------- Z-Image
+
+
+def _build_z_image():
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = _chat_tokenizer()
+
+    def transformer() -> Any:
+        model = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+            n_refiner_layers=1, n_heads=2, n_kv_heads=2, qk_norm=True, cap_feat_dim=16,
+            axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+        )
+        with torch.no_grad():  # both are torch.empty in __init__
+            model.x_pad_token.fill_(1.0)
+            model.cap_pad_token.fill_(1.0)
+        return model
+
+    text_encoder = _seeded(lambda: Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+    )).eval())
+    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_flux_vae(), text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=_seeded(transformer))
+
+
+def _run_z_image(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", height=32, width=32, num_inference_steps=2,
+                guidance_scale=3.0, max_sequence_length=32, generator=_generator(), output_type="np").images
+
+
+# --------------------------------------------------------------------------- Sana
+
+
+def _build_sana():
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+
+    tokenizer = t5_tokenizer()
+    transformer = _seeded(lambda: SanaTransformer2DModel(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=2, num_attention_heads=2, attention_head_dim=4,
+        num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=16,
+        sample_size=32,
+    ))
+    vae = _seeded(lambda: AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=2,
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+        encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), downsample_block_type="conv",
+        upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
+        scaling_factor=0.41407,
+    ))
+    return SanaPipeline(tokenizer=tokenizer, text_encoder=_gemma2(tokenizer, 16), vae=vae, transformer=transformer,
+                        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
+
+
+def _run_sana(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", height=32, width=32, num_inference_steps=2,
+                guidance_scale=6.0, max_sequence_length=16, complex_human_instruction=None,
+                use_resolution_binning=False, generator=_generator(), output_type="np").images
+
+
+# --------------------------------------------------------------------------- Lumina2
+
+
+def _build_lumina2():
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+
+    tokenizer = t5_tokenizer()
+    transformer = _seeded(lambda: Lumina2Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
+        num_attention_heads=2, num_kv_heads=1, multiple_of=16, axes_dim_rope=(8, 4, 4), axes_lens=(300, 32, 32),
+        cap_feat_dim=16,
+    ).eval())
+    return Lumina2Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=_flux_vae(),
+                           text_encoder=_gemma2(tokenizer, 16), tokenizer=tokenizer)
+
+
+def _run_lumina2(pipe: Any) -> Any:
+    # Lumina2 assumes a VAE factor of 8: 64x64 is an 8x8 latent, decoded to 16x16 by this VAE
+    return pipe(prompt="a cat", negative_prompt="blurry", height=64, width=64, num_inference_steps=2,
+                guidance_scale=4.0, system_prompt="", max_sequence_length=32, generator=_generator(),
+                output_type="np").images
+
+
+# --------------------------------------------------------------------------- HiDream
+
+
+def _build_hidream():
+    from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline, HiDreamImageTransformer2DModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer, tokenizer_2 = clip_tokenizer(), clip_tokenizer()
+    tokenizer_3, tokenizer_4 = t5_tokenizer(), t5_tokenizer()
+    transformer = _seeded(lambda: HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_channels=[32, 16], text_emb_dim=64, num_routed_experts=4,
+        num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32), llama_layers=(0, 1),
+    ).eval())
+    llama = _seeded(lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer_4), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        pad_token_id=tokenizer_4.pad_token_id, eos_token_id=tokenizer_4.eos_token_id, bos_token_id=None,
+    )).eval())
+    pipe = HiDreamImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_flux_vae(),
+        text_encoder=_clip_text(tokenizer, True), tokenizer=tokenizer,
+        text_encoder_2=_clip_text(tokenizer_2, True), tokenizer_2=tokenizer_2,
+        text_encoder_3=_t5(tokenizer_3), tokenizer_3=tokenizer_3,
+        text_encoder_4=llama, tokenizer_4=tokenizer_4, transformer=transformer,
+    )
+    pipe.default_sample_size = 16  # the pipeline rescales every request to this area (latent side)
+    return pipe
+
+
+def _run_hidream(pipe: Any) -> Any:
+    return pipe(prompt="a cat", negative_prompt="blurry", height=32, width=32, num_inference_steps=2,
+                guidance_scale=5.0, max_sequence_length=16, generator=_generator(), output_type="np").images
+
+
+# --------------------------------------------------------------------------- FLUX.2
+
+
+def _build_flux2():
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Pipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = _chat_tokenizer()
+    transformer = _seeded(lambda: Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4),
+    ))
+    pad = tokenizer.pad_token_id
+    text_encoder = _seeded(lambda: Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={
+            "model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32,
+            "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "num_key_value_heads": 2, "head_dim": 4, "sliding_window": None, "pad_token_id": pad,
+            "bos_token_id": pad, "eos_token_id": pad,
+        },
+        vision_config={
+            "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 32, "image_size": 30, "patch_size": 6, "num_channels": 3,
+        },
+        image_token_index=tokenizer.convert_tokens_to_ids("<|image_pad|>"), vision_feature_layer=-1,
+    )).eval())
+    vae = _seeded(lambda: AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    ))
+    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                         tokenizer=tokenizer, transformer=transformer)
+
+
+def _run_flux2(pipe: Any) -> Any:
+    return pipe(prompt="a cat", height=32, width=32, num_inference_steps=2, guidance_scale=4.0,
+                max_sequence_length=48, text_encoder_out_layers=(1,), generator=_generator(),
+                output_type="np").images
+
+
+# --------------------------------------------------------------------------- Stable Cascade
+
+
+def _build_stable_cascade():
+    from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline, StableCascadeUNet
+    from diffusers.pipelines.deprecated.wuerstchen.modeling_paella_vq_model import PaellaVQModel
+
+    prior_tokenizer = clip_tokenizer()
+    prior = _seeded(lambda: StableCascadeUNet(
+        conditioning_dim=64, block_out_channels=(64, 64), num_attention_heads=(2, 2),
+        down_num_layers_per_block=(1, 1), up_num_layers_per_block=(1, 1), clip_image_in_channels=16,
+        switch_level=(False,), clip_text_in_channels=32, clip_text_pooled_in_channels=32,
+        dropout=(0.0, 0.0),
+    ).eval())
+    decoder = _seeded(lambda: StableCascadeUNet(
+        in_channels=4, out_channels=4, conditioning_dim=32, block_out_channels=(8, 16, 32, 32),
+        num_attention_heads=(-1, -1, 1, 2), down_num_layers_per_block=(1, 1, 1, 1),
+        up_num_layers_per_block=(1, 1, 1, 1), down_blocks_repeat_mappers=(1, 1, 1, 1),
+        up_blocks_repeat_mappers=(2, 2, 1, 1),
+        block_types_per_layer=(
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),
+        ),
+        switch_level=None, clip_text_pooled_in_channels=32, dropout=(0.0, 0.0, 0.0, 0.0),
+    ).eval())
+    vqgan = _seeded(lambda: PaellaVQModel(bottleneck_blocks=1, embed_dim=16, num_vq_embeddings=2).eval())
+    return StableCascadeCombinedPipeline(
+        # the combined call never runs the decoder's own text encoder (the prior hands the
+        # decoder its prompt embeddings), so the family leaves it out
+        tokenizer=None, text_encoder=None, decoder=decoder,
+        scheduler=DDPMWuerstchenScheduler(), vqgan=vqgan, prior_prior=prior,
+        prior_text_encoder=_clip_text(prior_tokenizer, True), prior_tokenizer=prior_tokenizer,
+        prior_scheduler=DDPMWuerstchenScheduler(), prior_feature_extractor=None, prior_image_encoder=None,
+    )
+
+
+def _run_stable_cascade(pipe: Any) -> Any:
+    # the prior runs at ceil(128 / 42.67) = 3 latent pixels, the decoder at 32, the VQGAN decodes 128
+    return pipe(prompt="a cat", negative_prompt="blurry", height=128, width=128, prior_num_inference_steps=2,
+                prior_guidance_scale=4.0, num_inference_steps=2, decoder_guidance_scale=4.0,
+                generator=_generator(), output_type="np").images
+
+
+# --------------------------------------------------------------------------- Qwen-Image-Edit
+
+
+def _image_only(processor_cls: type) -> type:
+    """``processor_cls`` without its video processor: transformers checks one's class even
+    when it is None, and its video processors need torchvision (not a dependency); the
+    pipelines pass images only."""
+
+    class ImageOnly(processor_cls):  # type: ignore[misc, valid-type]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImageOnly.__name__ = processor_cls.__name__
+    return ImageOnly
+
+
+def _build_qwen_image_edit():
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    from . import tiny_pipelines
+
+    qwen = tiny_pipelines.build("qwen-image").components
+    # the pipeline resizes the input image to about 1024 x 1024; the vision tower sees it
+    # at 56 x 56 (4 x 4 patches of 14, merged 2 x 2: 4 image tokens)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+    processor = _image_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=qwen["tokenizer"])
+    # the VAE encodes that 1024 x 1024 image: 2 channels at full resolution and a spatial
+    # factor of 32 (a 32 x 32 latent, 256 image tokens) keep it and the transformer fast
+    vae = _seeded(lambda: AutoencoderKLQwenImage(
+        base_dim=2, z_dim=16, dim_mult=[1, 1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True, True]))
+    return QwenImageEditPipeline(scheduler=qwen["scheduler"], vae=vae, text_encoder=qwen["text_encoder"],
+                                 tokenizer=qwen["tokenizer"], processor=processor, transformer=qwen["transformer"])
+
+
+def _run_qwen_image_edit(pipe: Any) -> Any:
+    from PIL import Image
+
+    pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(1)) * 255).to(torch.uint8)
+    return pipe(image=Image.fromarray(pixels.numpy()), prompt="a cat", negative_prompt="blurry", height=64,
+                width=64, num_inference_steps=2, true_cfg_scale=4.0, max_sequence_length=16,
+                generator=_generator(), output_type="np").images
+
+
+#: family name -> (builder, runner)
+FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
+    "flux-controlnet": (_build_flux_controlnet, _run_flux_controlnet),
+    "sdxl-controlnet": (_build_sdxl_controlnet, _run_sdxl_controlnet),
+    "z-image": (_build_z_image, _run_z_image),
+    "sana": (_build_sana, _run_sana),
+    "lumina2": (_build_lumina2, _run_lumina2),
+    "hidream": (_build_hidream, _run_hidream),
+    "flux2": (_build_flux2, _run_flux2),
+    "stable-cascade": (_build_stable_cascade, _run_stable_cascade),
+    "qwen-image-edit": (_build_qwen_image_edit, _run_qwen_image_edit),
+}
+
+
+def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    if name not in FAMILIES:
+        raise ValueError(f"family={name!r} is not a tiny image family; allowed: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def build(name: str) -> Any:
+    """A new tiny random pipeline of family ``name`` on the host (progress bar off).
+
+    Raises:
+        ValueError: ``name`` is not in ``FAMILIES``.
+    """
+    pipe = _family(name)[0]()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run(name: str, pipe: Any) -> torch.Tensor:
+    """Call ``pipe`` (a family ``name`` pipeline) with fixed seeds and two steps; returns its
+    images as a float64 host tensor ``(1, H, W, 3)`` (H = W = 32; Lumina2 16, Qwen-Image-Edit
+    64, Stable Cascade 128).
+
+    Raises:
+        ValueError: ``name`` is not in ``FAMILIES``.
+    """
+    out = _family(name)[1](pipe)
+    return torch.as_tensor(out).detach().to("cpu", torch.float64)
