@@ -30,9 +30,9 @@ stays resident).
 The table also lists the other diffusers 0.42 transformers of the families layer mode is
 tested on (HunyuanVideo, HunyuanVideo 1.5, LTX, LTX-2, CogVideoX, Sana, PixArt, Chroma,
 Lumina2, HiDream, FLUX.2, Mochi, SkyReels-V2, Kandinsky 5, Z-Image) and the decoder LLMs
-used as text encoders (Llama, Gemma, Gemma 2, Qwen3, GLM, Mistral 3), so that where a forward runs its containers
-out of definition order (Lumina2: ``context_refiner`` before ``noise_refiner``) the first
-call's order is right too.
+used as text encoders (Llama, Gemma, Gemma 2, Qwen3, GLM, Mistral 3), so that where a
+forward runs its containers out of definition order (Lumina2: ``context_refiner`` before
+``noise_refiner``) the first call's order is right too.
 
 The order of the blocks is the order of the containers, then of their children: the order
 a forward runs them in for every model in the table. A child that is itself an
