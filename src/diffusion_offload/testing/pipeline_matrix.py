@@ -27,7 +27,7 @@ import torch
 from ..core.caches import clear_method_caches
 from . import tiny_families, tiny_image_families, tiny_pipelines, tiny_video_families
 
-__all__ = ["FAMILIES", "MODES", "Cell", "Family", "check", "reference", "weight_bytes"]
+__all__ = ["FAMILIES", "MODES", "NEVER_CALLED", "Cell", "Family", "check", "reference", "weight_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,14 @@ FAMILIES: dict[str, Family] = {
 }
 """Family key -> ``Family``, in the README's order."""
 
+NEVER_CALLED: dict[str, set[str]] = {
+    # AnimateDiffPipeline copies the motion adapter's weights into its UNetMotionModel when
+    # it is built and never calls motion_adapter itself; its role (adapter) still loads it
+    # with the DiT group, which the README notes
+    "animatediff": {"motion_adapter"},
+}
+"""Family key -> selected components the pipeline never calls: they only rest on the host."""
+
 MODES: dict[str, str] = {
     "module": "module mode, components=['dit']",
     "legacy": "the legacy switch (enable_cpu_offload=True)",
@@ -116,9 +124,8 @@ class Cell:
         weight_d2h_bytes: weight bytes copied device->host during the request
             (``backend.stats.d2h_bytes``; ``enable()`` makes the host copies of weights the
             pipeline placed on the device, which is not counted).
-        not_moved: selected components that did not rest on the host, or that the pipeline
-            called but never with weights on the device (one it never calls only has to rest
-            on the host).
+        not_moved: selected components that did not both rest on the host and run on the
+            device; one in ``NEVER_CALLED`` must rest on the host and never be called.
         selected: the selected components.
     """
 
@@ -207,14 +214,14 @@ def check(family: str, mode: str, device: torch.device, ref: np.ndarray) -> Cell
         modules = {n: pipe.components[n] for n in cell.selected}
         rested = {n for n, m in modules.items() if _on_host(m)}
         ran: set[str] = set()  # called with its weights on the device
-        on_host: set[str] = set()  # called with weights on the host
+        called: set[str] = set()  # called at all
         handles = []
         for name, module in modules.items():
             for sub in module.modules():
                 if next(sub.parameters(recurse=False), None) is not None:
                     handles.append(sub.register_forward_pre_hook(
                         lambda m, a, name=name: (
-                            ran if next(m.parameters(recurse=False)).device.type == device.type else on_host
+                            ran if next(m.parameters(recurse=False)).device.type == device.type else called
                         ).add(name)
                     ))
         cell.audit += backend.audit()
@@ -226,9 +233,10 @@ def check(family: str, mode: str, device: torch.device, ref: np.ndarray) -> Cell
         cell.audit += backend.audit()
         cell.max_abs_diff = float(np.abs(out - ref).max())
         cell.weight_d2h_bytes = backend.stats.d2h_bytes - d2h
-        # a component the pipeline never calls (AnimateDiff's motion_adapter: copied into the
-        # UNet when the pipeline is built) only has to rest on the host
-        cell.not_moved = sorted(n for n in cell.selected if n not in rested or (n in on_host and n not in ran))
+        called |= ran
+        idle = NEVER_CALLED.get(family, set())
+        cell.not_moved = sorted(n for n in cell.selected if n not in rested
+                                or (n in idle and n in called) or (n not in idle and n not in ran))
     finally:
         backend.disable()
         clear_method_caches(pipe)
