@@ -45,3 +45,32 @@ def test_matrix_cell(fake_device, family, mode):
     assert cell.audit == []
     assert cell.weight_d2h_bytes == 0
     assert cell.selected and cell.not_moved == []
+
+
+def test_animatediff_without_its_motion_adapter_is_exact_and_moves_less(fake_device):
+    """The README's advice: AnimateDiff never calls motion_adapter, so dropping it after
+    loading changes nothing in the output and takes its bytes out of every DiT-group load."""
+    import numpy as np
+
+    from diffusion_offload import ModelLevelOffloadBackend
+    from diffusion_offload.testing import tiny_video_families
+
+    if "animatediff" not in _REFS:
+        _REFS["animatediff"] = reference("animatediff", fake_device)
+    h2d = {}
+    for drop in (False, True):
+        pipe = tiny_video_families.build("animatediff")
+        adapter = pipe.motion_adapter
+        adapter_bytes = sum(t.numel() * t.element_size() for t in [*adapter.parameters(), *adapter.buffers()])
+        if drop:
+            pipe.motion_adapter = None
+        backend = ModelLevelOffloadBackend({"mode": "module", "components": ["dit"]}, fake_device)
+        backend.enable(pipe.to(fake_device))
+        try:
+            out = tiny_video_families.run("animatediff", pipe).numpy()
+            assert float(np.abs(out - _REFS["animatediff"]).max()) == 0.0
+            assert backend.audit() == []
+            h2d[drop] = backend.stats.h2d_bytes
+        finally:
+            backend.disable()
+    assert adapter_bytes > 0 and h2d[False] - h2d[True] == adapter_bytes
