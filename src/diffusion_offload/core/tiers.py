@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from .platform import Platform
+from .platform import Platform, same_device
+from .writes import fingerprints
 
 __all__ = [
     "AUTO_RESERVE",
@@ -64,6 +65,9 @@ STAGING_CHUNK = 64 << 20
 
 STAGING_COUNT = 2
 """Buffers in a staging ring: one filled from disk while the other's copy runs."""
+
+FP_BLOCK = 4096
+"""Fingerprints (8 bytes each) per host buffer of a disk tier's write-check records."""
 
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
 
@@ -458,6 +462,13 @@ class DiskTier:
         self.ring = StagingRing(platform, plan.staging_bytes, pin)
         self.read_delay = 0.0
         self._slots: dict[int, tuple[Any, int]] = {}  # id(slot) -> (slot, host data_ptr)
+        # fingerprints recorded at loads (``record``): id(slot) -> its first entry in
+        # ``_fps`` (host int64 blocks of FP_BLOCK entries, pinned with the ring), and the
+        # slots recorded since their last load
+        self._fp_index: dict[int, int] = {}
+        self._fp_next = 0
+        self._fps: list[torch.Tensor] = []
+        self._loaded: set[int] = set()
         self._written: set[int] = set()
         stats.staging_bytes = self.ring.nbytes
         self.reader: ReadAhead | None = ReadAhead(self, plan.staging_bytes) if read_ahead else None
@@ -486,6 +497,7 @@ class DiskTier:
     def to_device(self, slot: Any, device: torch.device) -> torch.Tensor:
         """A device copy of the disk-backed ``slot``'s host span (``uint8``), through the
         ring; the reader is then asked to read what followed it last time."""
+        self._loaded.discard(id(slot))
         reader = self.reader
         if reader is not None:
             reader.take(slot)
@@ -496,6 +508,60 @@ class DiskTier:
         if reader is not None:
             reader.after(slot)
         return dst
+
+    def record(self, slot: Any) -> None:
+        """After a load of the disk-backed ``slot`` (``to_device``), on the current stream:
+        the fingerprints of its members' device bytes (``writes.fingerprints``), copied to
+        the host without a host wait. The write check at eviction compares with them
+        (``recorded``) instead of reading the host copy from disk again. Nothing for a slot
+        that is not disk-backed, not on the device, or recorded since its load.
+
+        Raises:
+            torch.OutOfMemoryError: no device room for the fingerprints' temporaries
+                (about ``48 * sqrt(n)`` bytes a tensor of ``n`` words).
+        """
+        if id(slot) in self._loaded or not self.holds(slot):
+            return
+        members = slot.members
+        if not same_device(members[0].payload.device, self.platform.device):
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            device = fingerprints([m.payload for m in members])
+            self._fp_view(slot).copy_(device, non_blocking=self.ring.pin)
+        self._loaded.add(id(slot))
+        s = self.stats
+        s.fingerprints += len(members)
+        s.fingerprint_bytes += sum(m.nbytes for m in members)
+        s.check_d2h_bytes += 8 * len(members)
+
+    def _fp_view(self, slot: Any) -> torch.Tensor:
+        """``slot``'s entries in the fingerprint blocks (one per member; a slot with more
+        members than a block holds gets a block of its own)."""
+        n = len(slot.members)
+        start = self._fp_index.get(id(slot))
+        if start is None:
+            if self._fp_next % FP_BLOCK + n > FP_BLOCK:  # to the next block
+                self._fp_next += -self._fp_next % FP_BLOCK
+            start = self._fp_index[id(slot)] = self._fp_next
+            self._fp_next += max(n, 1) if n <= FP_BLOCK else -(-n // FP_BLOCK) * FP_BLOCK
+        block = start // FP_BLOCK
+        while len(self._fps) <= block:
+            size = max(FP_BLOCK, self._fp_next - len(self._fps) * FP_BLOCK)
+            buf = torch.empty(size, dtype=torch.int64)
+            self._fps.append(buf.pin_memory() if self.ring.pin else buf)
+        offset = start % FP_BLOCK
+        return self._fps[block][offset : offset + n]
+
+    def recorded(self, slot: Any) -> torch.Tensor | None:
+        """The fingerprints ``record`` took at ``slot``'s last load (host ``int64``, one per
+        member, in order), or None: not disk-backed, not on the device, or not recorded.
+        Their copy was queued on the load's stream: read them after a host wait that
+        follows it (the check's own device fingerprints read back, ``checks``)."""
+        if id(slot) not in self._loaded or not self.holds(slot):
+            return None
+        if not slot.on_device(self.platform.device):
+            return None
+        return self._fp_view(slot)
 
     def close(self) -> None:
         """Stop the reader thread (``disable``)."""
