@@ -32,7 +32,7 @@ import bisect
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,9 +52,12 @@ __all__ = [
     "TierPlan",
     "auto_host_budget",
     "check_budget",
+    "file_backed",
     "host_room",
     "plan_tiers",
     "reserve_bytes",
+    "split_tiers",
+    "stage_unit",
 ]
 
 AUTO_RESERVE = 2 << 30
@@ -291,6 +294,14 @@ class TierPlan:
         """Host copies in RAM (pinned or pageable)."""
         return self.ram_only_bytes + self.file_bytes - self.disk_bytes
 
+    def pinned_split(self, max_pinned_bytes: int | None = None) -> tuple[int, int]:
+        """``(pinned, pageable)`` bytes of the host copies in RAM: pinned up to
+        ``max_pinned_bytes`` (None: no cap), the rest pageable; the staging ring (pinned)
+        is ``staging_bytes``, apart."""
+        ram = self.ram_bytes
+        pinned = ram if max_pinned_bytes is None else min(ram, max_pinned_bytes)
+        return pinned, ram - pinned
+
     def line(self) -> str:
         """The one start line: which tier holds what, and why."""
         total = self.ram_only_bytes + self.file_bytes
@@ -316,38 +327,29 @@ def _staging_bytes(budget: int, largest: int, spill: int) -> int:
     return STAGING_COUNT * chunk
 
 
-def plan_tiers(
-    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0
-) -> TierPlan:
-    """Choose the tier of every host copy the offload will hold.
-
-    Everything in RAM when it fits ``budget``; otherwise the tensors that cannot be
-    file-backed stay in RAM, a staging ring is set aside, and file-backed tensors are kept
-    in RAM in order while they fit; the rest stay on disk.
+def split_tiers(sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int = 0) -> TierPlan:
+    """The tier rule, on sizes alone (the backends through ``plan_tiers``, the planner on
+    a model's tensor sizes): everything in RAM when it fits ``budget``; otherwise the
+    host copies that cannot be file-backed stay in RAM, a staging ring is set aside, and
+    file-backed ones are kept in RAM in order while they fit; the rest stay on disk.
 
     Args:
-        tensors: the distinct tensors (payloads) that get host copies: the selected
-            components' evictable weights.
+        sizes: per host copy, in order, ``(bytes, file-backed)``.
         budget: the host-memory budget in bytes.
-        maps: the process's file maps (None: read now).
-        unit_bytes: the bytes of the largest unit loaded at once (a streamed block, a
-            component): a staging-ring buffer holds one when the budget allows (at most
+        unit_bytes: the bytes of the largest unit loaded at once (``stage_unit``): a
+            staging-ring buffer holds one when the budget allows (at most
             ``STAGING_CHUNK``, a quarter of the budget and the bytes that do not fit it),
             so the reader can read the next one ahead.
 
+    Returns:
+        The ``TierPlan``; its ``disk_ids`` are indices into ``sizes``.
+
     Raises:
-        HostBudgetError: the tensors that cannot be file-backed, with the staging ring,
-            exceed ``budget`` (both named, in bytes).
+        HostBudgetError: the host copies that cannot be file-backed, with the staging
+            ring, exceed ``budget`` (both named, in bytes).
     """
-    maps = maps if maps is not None else FileMaps()
-    ram_only = 0
-    backed: list[tuple[int, int]] = []  # (id, bytes)
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if maps.backing(t) is not None and t.untyped_storage().nbytes() == n:
-            backed.append((id(t), n))
-        else:
-            ram_only += n
+    ram_only = sum(n for n, backed in sizes if not backed)
+    backed = [(i, n) for i, (n, b) in enumerate(sizes) if b]
     file_bytes = sum(n for _, n in backed)
     if ram_only + file_bytes <= budget:
         return TierPlan(budget, ram_only, file_bytes, 0, 0)
@@ -372,6 +374,45 @@ def plan_tiers(
             disk_ids.add(key)
             disk += n
     return TierPlan(budget, ram_only, file_bytes, disk, staging, disk_ids)
+
+
+def stage_unit(components: Iterable[Iterable[tuple[int, bool]]]) -> int:
+    """The unit a staging-ring buffer is sized to in layer mode: the largest selected
+    component's file-backed bytes (``sizes`` per component, as ``split_tiers`` takes)."""
+    return max((sum(n for n, backed in c if backed) for c in components), default=0)
+
+
+def plan_tiers(
+    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0
+) -> TierPlan:
+    """Choose the tier of every host copy the offload will hold (``split_tiers`` on the
+    tensors' sizes; a tensor is file-backed when its whole storage is a private map of a
+    safetensors file, ``FileMaps``).
+
+    Args:
+        tensors: the distinct tensors (payloads) that get host copies: the selected
+            components' evictable weights.
+        budget: the host-memory budget in bytes.
+        maps: the process's file maps (None: read now).
+        unit_bytes: as ``split_tiers``.
+
+    Returns:
+        The ``TierPlan``; its ``disk_ids`` are the ``id`` of every tensor left on disk.
+
+    Raises:
+        HostBudgetError: as ``split_tiers``.
+    """
+    maps = maps if maps is not None else FileMaps()
+    items = list(tensors)
+    sizes = [(t.numel() * t.element_size(), file_backed(t, maps)) for t in items]
+    plan = split_tiers(sizes, budget, unit_bytes)
+    plan.disk_ids = {id(items[i]) for i in plan.disk_ids}
+    return plan
+
+
+def file_backed(t: torch.Tensor, maps: FileMaps) -> bool:
+    """Whether host tensor ``t`` is its whole storage, a private map of a safetensors file."""
+    return maps.backing(t) is not None and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 # ----------------------------------------------------------------------------- the disk tier

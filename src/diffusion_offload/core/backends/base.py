@@ -348,11 +348,11 @@ class OffloadBackendBase:
                 for t in payloads.values() if maps.backing(payload_of(t)) is None
             )
             budget = tiers.auto_host_budget(held)
-        unit = 0 if not self.STAGE_BY_UNIT else max((
-            sum(payload_of(t).numel() * payload_of(t).element_size() for _, t in tensors
-                if maps.backing(payload_of(t)) is not None)
+        unit = 0 if not self.STAGE_BY_UNIT else tiers.stage_unit(
+            [(payload_of(t).numel() * payload_of(t).element_size(),
+              maps.backing(payload_of(t)) is not None) for _, t in tensors]
             for name, tensors in named.items() if selected[name]
-        ), default=0)
+        )
         plan = tiers.plan_tiers(payloads.values(), budget, maps, unit)
         self.tier_plan = plan
         logger.info(plan.line())
