@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from . import hostmem
 from .platform import Platform, same_device
 from .writes import fingerprints
 
@@ -320,10 +321,11 @@ class TierPlan:
 
 
 def _staging_bytes(budget: int, largest: int, spill: int) -> int:
-    # a buffer: one unit (block, component) or tensor, at most STAGING_CHUNK, a quarter of
+    # a buffer (one pin: at most hostmem.PIN_CHUNK): one unit (block, component) or
+    # tensor, at most STAGING_CHUNK, a quarter of
     # the budget (the ring is at most half of it) and the bytes that must leave RAM (a
     # large ring would push more weights to disk than it serves)
-    chunk = max(min(STAGING_CHUNK, budget // (2 * STAGING_COUNT), largest, spill), 4096)
+    chunk = max(min(STAGING_CHUNK, hostmem.PIN_CHUNK, budget // (2 * STAGING_COUNT), largest, spill), 4096)
     return STAGING_COUNT * chunk
 
 
