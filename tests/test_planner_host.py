@@ -157,5 +157,6 @@ def test_auto_respects_the_host_budget(wan_dir):
     picked = auto_config(directory, host_memory_budget=dit_bytes // 3, **kwargs).row
     assert picked.host_fits and picked.disk_bytes > 0
     assert picked.pinned_bytes + picked.staging_bytes <= dit_bytes // 3
-    with pytest.raises(FitError, match="no candidate fits"):
+    with pytest.raises(FitError, match="no candidate fits") as info:
         auto_config(directory, host_memory_budget=0, **kwargs)
+    assert "the host-memory budget cannot hold the RAM-only host copies of ['module" in str(info.value)

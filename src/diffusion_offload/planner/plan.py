@@ -594,10 +594,12 @@ def choose(rows: Sequence[PlanRow], device_memory: int, what: str) -> PlanRow:
     from ..models.fit import FitError
 
     smallest = min(rows, key=lambda r: r.peak_bytes)
+    host = [r.name for r in rows if not r.host_fits]
     raise FitError(
         f"diffusion_offload_config='auto': no candidate fits in {human_bytes(device_memory)} "
         f"({device_memory} bytes) for {what}; the smallest need is '{smallest.name}' with a peak of "
         f"{human_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
+        + (f"; the host-memory budget cannot hold the RAM-only host copies of {host}" if host else "")
     )
 
 
