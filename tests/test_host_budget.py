@@ -480,3 +480,73 @@ def test_the_host_budget_flag_needs_an_offload_config():
     args = build_parser().parse_args(["generate", "--host-memory-budget", "1GiB"])
     with pytest.raises(CliError, match=re.escape("--host-memory-budget 1.00GiB needs an offload config")):
         parse_config_args(args)
+
+
+# ----------------------------------------------------------------------------- weights_from
+
+
+def _ram_only(directory: Path):
+    """The pipeline of ``directory`` built elsewhere: every weight in anonymous memory."""
+    pipe = _load(directory)
+    with torch.no_grad():
+        for module in (pipe.transformer, pipe.text_encoder):
+            for p in module.parameters():
+                p.data = p.data.clone()
+    return pipe
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_weights_from_file_backs_a_pipeline_built_elsewhere(mode, small_wan, fake_device):
+    """RAM-only weights over the budget: ``enable`` fails naming the budget; with
+    ``weights_from`` the same pipeline's weights are file-backed from the folder (the
+    same tiers as a pipeline ``Omni`` loaded) and the output equals all resident."""
+    from diffusion_offload.core.backends.base import OffloadBackendBase
+
+    directory, dit_bytes = small_wan
+    want = _resident(directory, fake_device)
+    budget = dit_bytes // 3
+    pipe = _ram_only(directory)
+    with pytest.raises(tiers.HostBudgetError, match=f"host_memory_budget={budget} bytes cannot hold"):
+        _backend(mode, fake_device, budget).enable(pipe)
+    loaded = _load(directory)
+    reference = _backend(mode, fake_device, budget)
+    reference.enable(loaded)
+    expected = (reference.stats.pinned_bytes, reference.stats.disk_backed_bytes, reference.tier_plan.disk_bytes)
+    reference.disable()
+    del loaded
+    cls = ModelLevelOffloadBackend if mode == "module" else LayerwiseOffloadBackend
+    backend = cls({"mode": mode, "components": ["dit"]}, fake_device, host_memory_budget=budget,
+                  weights_from=directory)
+    assert isinstance(backend, OffloadBackendBase)
+    w = pipe.transformer.blocks[1].ffn.net[0].proj.weight
+    backend.enable(pipe)
+    try:
+        assert tiers.FileMaps().backing(w.data) is not None  # the same object, file-backed
+        s = backend.stats
+        assert (s.pinned_bytes, s.disk_backed_bytes, backend.tier_plan.disk_bytes) == expected
+        assert s.disk_backed_bytes > dit_bytes // 2
+        assert torch.equal(_call(pipe), want)
+        assert backend.audit() == []
+    finally:
+        backend.disable()
+
+
+def test_weights_from_a_folder_the_pipeline_was_not_built_from_is_refused(small_wan, fake_device):
+    from diffusion_offload.core.weights_from import WeightsMismatchError
+
+    directory, dit_bytes = small_wan
+    pipe = _ram_only(directory)
+    w = pipe.transformer.blocks[2].attn1.to_q.weight
+    with torch.no_grad():
+        w[0, 0] += 1.0
+    backend = ModelLevelOffloadBackend({"mode": "module", "components": ["dit"]}, fake_device,
+                                       host_memory_budget=dit_bytes // 3, weights_from=directory)
+    with pytest.raises(WeightsMismatchError, match=re.escape(
+            f"weights_from={str(directory)!r}: transformer tensor 'blocks.2.attn1.to_q.weight' "
+            "differs from the file's bytes")):
+        backend.enable(pipe)
+    assert not backend.is_enabled()
+    assert tiers.FileMaps().backing(pipe.transformer.blocks[0].attn1.to_q.weight.data) is None  # unchanged
+    pipe.transformer.to(torch.float16)
+    with pytest.raises(WeightsMismatchError, match="is torch.float16, the file's torch.float32"):
+        backend.enable(pipe)

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from diffusion_offload.core import hostmem
+from diffusion_offload.core import hostmem, tiers
 
 
 class _Platform:
@@ -145,3 +145,90 @@ def test_pinning_stops_at_the_host_memory_available(mode, in_place, fake_device,
         assert backend.audit() == []
     finally:
         backend.disable()
+
+
+# ----------------------------------------------------------------------------- chunked pinning
+
+
+def test_a_storage_larger_than_the_chunk_is_registered_in_pieces(monkeypatch):
+    """``PIN_CHUNK`` lowered to 64 KiB: a 200,000-byte storage is registered in pieces of
+    at most 64 KiB, cut at multiples of it (page-aligned), covering it exactly; all are
+    undone with the storage."""
+    chunk = 64 << 10
+    monkeypatch.setattr(hostmem, "PIN_CHUNK", chunk)
+    sizes: dict[int, int] = {}
+    platform = _Platform()
+    register = platform.host_register
+    platform.host_register = lambda ptr, n: sizes.__setitem__(ptr, n) or register(ptr, n)
+    t = torch.empty(200_000, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    assert hostmem.pin_in_place(platform, t.untyped_storage())
+    assert max(sizes.values()) <= chunk and sum(sizes.values()) == 200_000
+    assert min(sizes) == ptr and all(p % chunk == 0 for p in sizes if p != ptr)
+    assert len(sizes) == -(-(ptr % chunk + 200_000) // chunk)
+    assert platform.live == set(sizes)
+    del t
+    assert platform.live == set()
+
+
+def test_a_refused_piece_undoes_the_others(monkeypatch):
+    monkeypatch.setattr(hostmem, "PIN_CHUNK", 64 << 10)
+    platform = _Platform()
+    calls = []
+
+    def register(ptr: int, n: int) -> bool:
+        calls.append(ptr)
+        if len(calls) == 2:
+            return False
+        platform.live.add(ptr)
+        return True
+
+    platform.host_register = register
+    t = torch.empty(300_000, dtype=torch.uint8)
+    assert not hostmem.pin_in_place(platform, t.untyped_storage())
+    assert platform.live == set() and len(calls) == 2
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_no_single_pin_exceeds_the_chunk(mode, fake_device, monkeypatch):
+    """With ``PIN_CHUNK`` at 16 KiB, ``enable`` (arenas larger than the chunk, tensors
+    larger than the chunk) registers nothing larger and allocates no pinned copy larger
+    (``pin_memory``); every host copy is still pinned and the output equals all
+    resident."""
+    chunk = 16 << 10
+    monkeypatch.setattr(hostmem, "PIN_CHUNK", chunk)
+    make, call, _ = _setup(mode)
+    with torch.no_grad():
+        want = call(make().to(fake_device), fake_device)
+    registered: list[int] = []
+    copied: list[int] = []
+    fake = type(torch.fakegpu)
+    real_register = fake.host_register
+    monkeypatch.setattr(fake, "host_register",
+                        staticmethod(lambda ptr, n: registered.append(n) or real_register(ptr, n)))
+    real_pin = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *a: copied.append(self.numel() * self.element_size()) or real_pin(self, *a))
+    pipe = make()
+    cls = ModelLevelOffloadBackend if mode == "module" else LayerwiseOffloadBackend
+    backend = cls({"mode": mode, "components": ["dit"]}, fake_device)
+    backend.enable(pipe)
+    try:
+        s = backend.stats
+        assert s.pinned_bytes > 4 * chunk and s.pageable_host_bytes == 0
+        assert registered and max(registered) <= chunk
+        assert sum(registered) >= s.pinned_bytes - sum(copied)
+        assert all(n <= chunk for n in copied)
+        with torch.no_grad():
+            assert torch.equal(call(pipe, fake_device), want)
+        assert backend.audit() == []
+    finally:
+        backend.disable()
+
+
+def test_the_staging_ring_buffers_stay_within_the_chunk(monkeypatch):
+    monkeypatch.setattr(hostmem, "PIN_CHUNK", 8 << 10)
+    sizes = [(100_000, True)] * 10
+    plan = tiers.split_tiers(sizes, 400_000)
+    assert plan.disk_bytes > 0
+    assert plan.staging_bytes == tiers.STAGING_COUNT * (8 << 10)

@@ -216,7 +216,9 @@ def test_rows_on_a_tiny_pipeline(tiny_wan):
     assert fastest_fitting(rows).h2d_bytes_per_request == 0
     assert isinstance(rows[0], PlanRow)
     assert list(vars(rows[0])) == ["name", "config", "resting_bytes", "peak_bytes",
-                                   "h2d_bytes_per_request", "transfer_seconds", "fits"]
+                                   "h2d_bytes_per_request", "transfer_seconds", "fits",
+                                   "pinned_bytes", "pageable_bytes", "disk_bytes", "staging_bytes",
+                                   "disk_read_bytes_per_request", "host_fits"]
     # the config of a row is what Omni takes
     for row in rows:
         parse_diffusion_offload_config(row.config["diffusion_offload_config"])

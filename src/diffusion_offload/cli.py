@@ -511,7 +511,8 @@ def _plan(args: argparse.Namespace) -> int:
     quiet_libraries()
     from .engine import ModelError
     from .planner.model import load_plan_model
-    from .planner.plan import describe_plan, format_plan, plan_model, resolve_request, rows_json
+    from .core.tiers import reserve_bytes
+    from .planner.plan import HostInputs, describe_plan, format_plan, plan_model, resolve_request, rows_json
 
     names = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
     try:
@@ -527,8 +528,11 @@ def _plan(args: argparse.Namespace) -> int:
             from .planner.plan import default_device_memory
 
             device_memory = default_device_memory(args.device_kind)
+        host_memory = args.host_memory
+        host_budget = None if host_memory is None else host_memory - reserve_bytes(host_memory)
         rows = plan_model(pm, request, device_memory, device_kind=args.device_kind,
-                          h2d_bandwidth=args.h2d_bandwidth)
+                          h2d_bandwidth=args.h2d_bandwidth,
+                          host=HostInputs(host_budget, args.disk_bandwidth))
     except ModelError as exc:
         raise CliError(str(exc)) from None
     except ValueError as exc:
@@ -538,6 +542,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(rows_json(pm, request, rows, device_memory, args.device_kind, args.h2d_bandwidth))
     else:
         print(describe_plan(pm, request, device_memory, args.device_kind, args.h2d_bandwidth))
+        if host_budget is not None:
+            print(f"host: {human_bytes(host_memory)}, budget {human_bytes(host_budget)} "
+                  f"({host_budget} bytes); disk {args.disk_bandwidth / 1e9:g} GB/s\n")
         print(format_plan(rows))
     return 0
 

@@ -455,6 +455,14 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--h2d-bandwidth", type=_bandwidth_type, metavar="RATE", default=25e9,
                       help="host-to-device bandwidth, e.g. 55GB/s (default: 25GB/s, pinned "
                            "copies over PCIe 4.0 x16)")
+    plan.add_argument("--host-memory", metavar="SIZE", type=_bytes_type,
+                      help="host memory the process has, with a unit, e.g. 32GiB: plans the "
+                           "host copies under the budget 'auto' would take from it (minus a "
+                           "tenth, at most 2 GiB), in pinned, pageable and disk tiers "
+                           "(default: no host budget, every host copy pinned)")
+    plan.add_argument("--disk-bandwidth", type=_bandwidth_type, metavar="RATE", default=3e9,
+                      help="disk read bandwidth for disk-backed weights, e.g. 7GB/s "
+                           "(default: 3GB/s, an NVMe SSD)")
     plan.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                       help="weight dtype (default: auto, the checkpoint's own)")
     plan.add_argument("--variant", metavar="NAME",

@@ -14,6 +14,7 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``transfer``: moving weights (``Mover``, ``Transaction``, ``TensorSlot``).
 - ``tiers``: the host-memory budget and its tiers (pinned, pageable, disk): ``"auto"``,
   file-backed weights, the staging ring.
+- ``weights_from``: file-backing the weights of a pipeline built elsewhere from its folder.
 - ``checks``: device write checks (``LoadCheck``): what a load put on the device, what changed.
 - ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).
 - ``policy``: the device-memory budget (``MemoryPolicy``): what stays resident.

@@ -23,6 +23,8 @@ bytes; equal bytes are never written back (README, write detection).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .arena import Arena, sums
@@ -61,10 +63,18 @@ def record(stats: TransferStats, arena: Arena, payload: torch.Tensor, platform: 
     stats.check_d2h_bytes += 8 * arena.sum_words
 
 
-def compare_with_host(stats: TransferStats, pairs: list[tuple[TensorSlot, Member]]) -> list[bool]:
+Recorded = Callable[[TensorSlot], "torch.Tensor | None"]
+"""``slot`` -> the fingerprints of its members' host copies recorded when it was loaded
+(host ``int64``, one per member; ``tiers.DiskTier.recorded``), or None when none were."""
+
+
+def compare_with_host(
+    stats: TransferStats, pairs: list[tuple[TensorSlot, Member]], recorded: Recorded | None = None
+) -> list[bool]:
     """Per ``(slot, member)``, whether the member's device payload differs from its host
     copy: fingerprints of both (the device's read back in one copy of 8 bytes a member,
-    the host's computed on the host). A member whose dtype or shape changed differs.
+    the host's computed on the host, or the ones ``recorded`` at the load: a host copy
+    left on disk is not read again). A member whose dtype or shape changed differs.
 
     Raises:
         torch.OutOfMemoryError: no device room for the fingerprints' temporaries.
@@ -78,7 +88,10 @@ def compare_with_host(stats: TransferStats, pairs: list[tuple[TensorSlot, Member
     if comparable:
         with torch.inference_mode(False), torch.no_grad():
             device = fingerprints([m.payload for _, m in comparable]).tolist()
-            host = fingerprints([s.view(s.host, m) for s, m in comparable]).tolist()
+            known = _recorded(comparable, recorded)
+            todo = [p for p, k in zip(comparable, known) if k is None]
+            computed = iter(fingerprints([s.view(s.host, m) for s, m in todo]).tolist())
+            host = [next(computed) if k is None else k for k in known]
     stats.fingerprints += len(comparable)
     stats.fingerprint_bytes += sum(m.nbytes for _, m in comparable)
     stats.check_d2h_bytes += 8 * len(comparable)
@@ -86,8 +99,26 @@ def compare_with_host(stats: TransferStats, pairs: list[tuple[TensorSlot, Member
     return [next(differs) if ok else True for ok in same_layout]
 
 
+def _recorded(pairs: list[tuple[TensorSlot, Member]], recorded: Recorded | None) -> list[int | None]:
+    """Per pair, its member's fingerprint recorded at the load, or None."""
+    if recorded is None:
+        return [None] * len(pairs)
+    values: dict[int, list[int] | None] = {}
+    out: list[int | None] = []
+    for slot, m in pairs:
+        if id(slot) not in values:
+            fps = recorded(slot)
+            values[id(slot)] = None if fps is None else fps.tolist()
+        fps = values[id(slot)]
+        out.append(None if fps is None else fps[slot.members.index(m)])
+    return out
+
+
 def changed(
-    stats: TransferStats, pairs: list[tuple[TensorSlot, Member]], platform: Platform
+    stats: TransferStats,
+    pairs: list[tuple[TensorSlot, Member]],
+    platform: Platform,
+    recorded: Recorded | None = None,
 ) -> list[bool]:
     """Per ``(slot, member)`` (resident, about to leave), whether its device bytes differ
     from its host copy.
@@ -97,7 +128,8 @@ def changed(
     one host wait), compared there with ``Arena.loaded_sums`` (recorded at the load) or,
     for an arena not recorded, ``Arena.host_sums``. The members of an arena whose sums
     differ, and every member not covered that way, are compared with their host copies
-    (``compare_with_host``). A slot with a member whose ``.data`` was reassigned is
+    (``compare_with_host``, with the fingerprints ``recorded`` at their loads where there
+    are some). A slot with a member whose ``.data`` was reassigned is
     marked (``TensorSlot.rebinds``): its arena loads tensor by tensor from then on.
 
     Raises:
@@ -146,5 +178,5 @@ def changed(
                 a.host_sums = None
             suspect += [k for k, (slot, _) in enumerate(pairs) if id(slot.arena) in bad]
     order = sorted(suspect)
-    verdict = dict(zip(order, compare_with_host(stats, [pairs[k] for k in order])))
+    verdict = dict(zip(order, compare_with_host(stats, [pairs[k] for k in order], recorded)))
     return [verdict.get(k, False) for k in range(len(pairs))]

@@ -7,6 +7,11 @@ round each block up to a power of two (``Tensor.pin_memory()`` does). A registra
 lives as long as the storage: it is undone (``cudaHostUnregister``) when the storage is
 freed, so weights stay pinned after ``disable()`` and nothing stays registered after the
 memory is gone.
+
+No single registration is larger than ``PIN_CHUNK`` (1 GiB): a larger storage is
+registered in pieces cut at multiples of ``PIN_CHUNK`` (page-aligned addresses, so no two
+pieces share a page). Pinning one buffer of 12 GiB or more fails on some drivers
+(vllm-omni #2748).
 """
 
 from __future__ import annotations
@@ -18,22 +23,49 @@ import torch
 
 from .platform import Platform
 
-__all__ = ["available_host_bytes", "locked_memory_limit", "pin_in_place", "unpin_in_place"]
+__all__ = [
+    "PIN_CHUNK",
+    "available_host_bytes",
+    "locked_memory_limit",
+    "pin_in_place",
+    "pin_pieces",
+    "unpin_in_place",
+]
+
+PIN_CHUNK = 1 << 30
+"""The largest single pin (``host_register`` or ``pin_memory``), in bytes (1 GiB): a
+multiple of the page size. Tests lower it."""
 
 # re-entrant: creating a finalizer may run the garbage collector, whose finalizers
 # (another storage's ``_unregister``) take this lock on the same thread
 _lock = threading.RLock()
 # (device type, storage data pointer) -> (the storage, weakly; its finalizer; its id)
+# (the finalizer unregisters every piece)
 _registered: dict[tuple[str, int], tuple[weakref.ref, weakref.finalize, int]] = {}
 
 
+def pin_pieces(ptr: int, nbytes: int) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of the pieces ``[ptr, ptr + nbytes)`` is registered in: cut at
+    every multiple of ``PIN_CHUNK``, so each is at most ``PIN_CHUNK`` bytes."""
+    chunk = PIN_CHUNK
+    pieces = []
+    start, end = ptr, ptr + nbytes
+    while start < end:
+        cut = min((start // chunk + 1) * chunk, end)
+        pieces.append((start, cut - start))
+        start = cut
+    return pieces
+
+
 def pin_in_place(platform: Platform, storage: torch.UntypedStorage) -> bool:
-    """Register ``storage`` (host memory) as pinned for ``platform``'s device, in place.
+    """Register ``storage`` (host memory) as pinned for ``platform``'s device, in place,
+    in pieces of at most ``PIN_CHUNK`` bytes (``pin_pieces``).
 
     Returns True when the storage is pinned (now or already), False when the platform
-    cannot register it (no in-place pinning, a read-only memory map, the driver refused):
-    the caller keeps it pageable. A registration left by a dead storage at the same
-    address (its finalizer not yet run) is undone first.
+    cannot register it (no in-place pinning, a read-only memory map, the driver refused
+    a piece: the pieces registered are undone): the caller keeps it pageable. A
+    registration left by a dead storage at the same address (its finalizer not yet run)
+    is undone first.
     """
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if ptr == 0 or nbytes == 0:
@@ -45,9 +77,15 @@ def pin_in_place(platform: Platform, storage: torch.UntypedStorage) -> bool:
             if entry[0]() is storage:
                 return True
             entry[1]()  # stale: the memory was freed and reused
-        if not platform.host_register(ptr, nbytes):
-            return False
-        fin = weakref.finalize(storage, _unregister, platform, key, id(storage))
+        pieces = pin_pieces(ptr, nbytes)
+        done: list[int] = []
+        for start, n in pieces:
+            if not platform.host_register(start, n):
+                for p in done:
+                    platform.host_unregister(p)
+                return False
+            done.append(start)
+        fin = weakref.finalize(storage, _unregister, platform, key, id(storage), tuple(done))
         _registered[key] = (weakref.ref(storage), fin, id(storage))
     return True
 
@@ -61,13 +99,14 @@ def unpin_in_place(platform: Platform, storage: torch.UntypedStorage) -> None:
         entry[1]()
 
 
-def _unregister(platform: Platform, key: tuple[str, int], owner: int) -> None:
+def _unregister(platform: Platform, key: tuple[str, int], owner: int, pieces: tuple[int, ...]) -> None:
     with _lock:
         entry = _registered.get(key)
         if entry is None or entry[2] != owner:  # undone already, or a newer storage's
             return
         del _registered[key]
-    platform.host_unregister(key[1])
+    for start in pieces:
+        platform.host_unregister(start)
 
 
 def available_host_bytes() -> int | None:

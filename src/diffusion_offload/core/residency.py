@@ -300,14 +300,19 @@ class ComponentWeights:
     def record_checks(self) -> None:
         """Record the write-check sums of every arena of the component loaded whole and
         not recorded yet (``checks.record``), on the current stream: two reductions and one
-        asynchronous copy back an arena, no host wait. No device room for the sums:
-        nothing is recorded (the members are then compared with their host copies)."""
+        asynchronous copy back an arena, no host wait; and the fingerprints of every
+        disk-backed slot loaded (``tiers.DiskTier.record``: its host copy is then not read
+        again by the check at eviction). No device room for the sums: nothing more is
+        recorded (the members are then compared with their host copies)."""
         mover = self.mover
+        disk = mover.disk
         for slot in self.slots:
             a = slot.arena
-            if a is None or a.checked or a.device_key is None:
-                continue
             try:
+                if disk is not None and a is None:
+                    disk.record(slot)
+                if a is None or a.checked or a.device_key is None:
+                    continue
                 checks.record(mover.stats, a, slot.members[0].payload, mover.platform)
             except torch.OutOfMemoryError:
                 return
@@ -321,7 +326,9 @@ class ComponentWeights:
         if pairs:
             stats.device_checks += 1
         try:
-            return checks.changed(stats, pairs, self.mover.platform)
+            disk = self.mover.disk  # disk-backed host copies: fingerprints of their loads
+            recorded = None if disk is None else disk.recorded
+            return checks.changed(stats, pairs, self.mover.platform, recorded)
         except torch.OutOfMemoryError:
             return [True] * len(pairs)
 

@@ -32,14 +32,16 @@ import bisect
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .platform import Platform
+from . import hostmem
+from .platform import Platform, same_device
+from .writes import fingerprints
 
 __all__ = [
     "AUTO_RESERVE",
@@ -51,9 +53,12 @@ __all__ = [
     "TierPlan",
     "auto_host_budget",
     "check_budget",
+    "file_backed",
     "host_room",
     "plan_tiers",
     "reserve_bytes",
+    "split_tiers",
+    "stage_unit",
 ]
 
 AUTO_RESERVE = 2 << 30
@@ -64,6 +69,9 @@ STAGING_CHUNK = 64 << 20
 
 STAGING_COUNT = 2
 """Buffers in a staging ring: one filled from disk while the other's copy runs."""
+
+FP_BLOCK = 4096
+"""Fingerprints (8 bytes each) per host buffer of a disk tier's write-check records."""
 
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
 
@@ -287,6 +295,14 @@ class TierPlan:
         """Host copies in RAM (pinned or pageable)."""
         return self.ram_only_bytes + self.file_bytes - self.disk_bytes
 
+    def pinned_split(self, max_pinned_bytes: int | None = None) -> tuple[int, int]:
+        """``(pinned, pageable)`` bytes of the host copies in RAM: pinned up to
+        ``max_pinned_bytes`` (None: no cap), the rest pageable; the staging ring (pinned)
+        is ``staging_bytes``, apart."""
+        ram = self.ram_bytes
+        pinned = ram if max_pinned_bytes is None else min(ram, max_pinned_bytes)
+        return pinned, ram - pinned
+
     def line(self) -> str:
         """The one start line: which tier holds what, and why."""
         total = self.ram_only_bytes + self.file_bytes
@@ -305,45 +321,37 @@ class TierPlan:
 
 
 def _staging_bytes(budget: int, largest: int, spill: int) -> int:
-    # a buffer: one unit (block, component) or tensor, at most STAGING_CHUNK, a quarter of
+    # a buffer (one pin: at most hostmem.PIN_CHUNK): one unit (block, component) or
+    # tensor, at most STAGING_CHUNK, a quarter of
     # the budget (the ring is at most half of it) and the bytes that must leave RAM (a
     # large ring would push more weights to disk than it serves)
-    chunk = max(min(STAGING_CHUNK, budget // (2 * STAGING_COUNT), largest, spill), 4096)
+    chunk = max(min(STAGING_CHUNK, hostmem.PIN_CHUNK, budget // (2 * STAGING_COUNT), largest, spill), 4096)
     return STAGING_COUNT * chunk
 
 
-def plan_tiers(
-    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0
-) -> TierPlan:
-    """Choose the tier of every host copy the offload will hold.
-
-    Everything in RAM when it fits ``budget``; otherwise the tensors that cannot be
-    file-backed stay in RAM, a staging ring is set aside, and file-backed tensors are kept
-    in RAM in order while they fit; the rest stay on disk.
+def split_tiers(sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int = 0) -> TierPlan:
+    """The tier rule, on sizes alone (the backends through ``plan_tiers``, the planner on
+    a model's tensor sizes): everything in RAM when it fits ``budget``; otherwise the
+    host copies that cannot be file-backed stay in RAM, a staging ring is set aside, and
+    file-backed ones are kept in RAM in order while they fit; the rest stay on disk.
 
     Args:
-        tensors: the distinct tensors (payloads) that get host copies: the selected
-            components' evictable weights.
+        sizes: per host copy, in order, ``(bytes, file-backed)``.
         budget: the host-memory budget in bytes.
-        maps: the process's file maps (None: read now).
-        unit_bytes: the bytes of the largest unit loaded at once (a streamed block, a
-            component): a staging-ring buffer holds one when the budget allows (at most
+        unit_bytes: the bytes of the largest unit loaded at once (``stage_unit``): a
+            staging-ring buffer holds one when the budget allows (at most
             ``STAGING_CHUNK``, a quarter of the budget and the bytes that do not fit it),
             so the reader can read the next one ahead.
 
+    Returns:
+        The ``TierPlan``; its ``disk_ids`` are indices into ``sizes``.
+
     Raises:
-        HostBudgetError: the tensors that cannot be file-backed, with the staging ring,
-            exceed ``budget`` (both named, in bytes).
+        HostBudgetError: the host copies that cannot be file-backed, with the staging
+            ring, exceed ``budget`` (both named, in bytes).
     """
-    maps = maps if maps is not None else FileMaps()
-    ram_only = 0
-    backed: list[tuple[int, int]] = []  # (id, bytes)
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if maps.backing(t) is not None and t.untyped_storage().nbytes() == n:
-            backed.append((id(t), n))
-        else:
-            ram_only += n
+    ram_only = sum(n for n, backed in sizes if not backed)
+    backed = [(i, n) for i, (n, b) in enumerate(sizes) if b]
     file_bytes = sum(n for _, n in backed)
     if ram_only + file_bytes <= budget:
         return TierPlan(budget, ram_only, file_bytes, 0, 0)
@@ -368,6 +376,45 @@ def plan_tiers(
             disk_ids.add(key)
             disk += n
     return TierPlan(budget, ram_only, file_bytes, disk, staging, disk_ids)
+
+
+def stage_unit(components: Iterable[Iterable[tuple[int, bool]]]) -> int:
+    """The unit a staging-ring buffer is sized to in layer mode: the largest selected
+    component's file-backed bytes (``sizes`` per component, as ``split_tiers`` takes)."""
+    return max((sum(n for n, backed in c if backed) for c in components), default=0)
+
+
+def plan_tiers(
+    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0
+) -> TierPlan:
+    """Choose the tier of every host copy the offload will hold (``split_tiers`` on the
+    tensors' sizes; a tensor is file-backed when its whole storage is a private map of a
+    safetensors file, ``FileMaps``).
+
+    Args:
+        tensors: the distinct tensors (payloads) that get host copies: the selected
+            components' evictable weights.
+        budget: the host-memory budget in bytes.
+        maps: the process's file maps (None: read now).
+        unit_bytes: as ``split_tiers``.
+
+    Returns:
+        The ``TierPlan``; its ``disk_ids`` are the ``id`` of every tensor left on disk.
+
+    Raises:
+        HostBudgetError: as ``split_tiers``.
+    """
+    maps = maps if maps is not None else FileMaps()
+    items = list(tensors)
+    sizes = [(t.numel() * t.element_size(), file_backed(t, maps)) for t in items]
+    plan = split_tiers(sizes, budget, unit_bytes)
+    plan.disk_ids = {id(items[i]) for i in plan.disk_ids}
+    return plan
+
+
+def file_backed(t: torch.Tensor, maps: FileMaps) -> bool:
+    """Whether host tensor ``t`` is its whole storage, a private map of a safetensors file."""
+    return maps.backing(t) is not None and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 # ----------------------------------------------------------------------------- the disk tier
@@ -458,6 +505,13 @@ class DiskTier:
         self.ring = StagingRing(platform, plan.staging_bytes, pin)
         self.read_delay = 0.0
         self._slots: dict[int, tuple[Any, int]] = {}  # id(slot) -> (slot, host data_ptr)
+        # fingerprints recorded at loads (``record``): id(slot) -> its first entry in
+        # ``_fps`` (host int64 blocks of FP_BLOCK entries, pinned with the ring), and the
+        # slots recorded since their last load
+        self._fp_index: dict[int, int] = {}
+        self._fp_next = 0
+        self._fps: list[torch.Tensor] = []
+        self._loaded: set[int] = set()
         self._written: set[int] = set()
         stats.staging_bytes = self.ring.nbytes
         self.reader: ReadAhead | None = ReadAhead(self, plan.staging_bytes) if read_ahead else None
@@ -486,6 +540,7 @@ class DiskTier:
     def to_device(self, slot: Any, device: torch.device) -> torch.Tensor:
         """A device copy of the disk-backed ``slot``'s host span (``uint8``), through the
         ring; the reader is then asked to read what followed it last time."""
+        self._loaded.discard(id(slot))
         reader = self.reader
         if reader is not None:
             reader.take(slot)
@@ -496,6 +551,60 @@ class DiskTier:
         if reader is not None:
             reader.after(slot)
         return dst
+
+    def record(self, slot: Any) -> None:
+        """After a load of the disk-backed ``slot`` (``to_device``), on the current stream:
+        the fingerprints of its members' device bytes (``writes.fingerprints``), copied to
+        the host without a host wait. The write check at eviction compares with them
+        (``recorded``) instead of reading the host copy from disk again. Nothing for a slot
+        that is not disk-backed, not on the device, or recorded since its load.
+
+        Raises:
+            torch.OutOfMemoryError: no device room for the fingerprints' temporaries
+                (about ``48 * sqrt(n)`` bytes a tensor of ``n`` words).
+        """
+        if id(slot) in self._loaded or not self.holds(slot):
+            return
+        members = slot.members
+        if not same_device(members[0].payload.device, self.platform.device):
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            device = fingerprints([m.payload for m in members])
+            self._fp_view(slot).copy_(device, non_blocking=self.ring.pin)
+        self._loaded.add(id(slot))
+        s = self.stats
+        s.fingerprints += len(members)
+        s.fingerprint_bytes += sum(m.nbytes for m in members)
+        s.check_d2h_bytes += 8 * len(members)
+
+    def _fp_view(self, slot: Any) -> torch.Tensor:
+        """``slot``'s entries in the fingerprint blocks (one per member; a slot with more
+        members than a block holds gets a block of its own)."""
+        n = len(slot.members)
+        start = self._fp_index.get(id(slot))
+        if start is None:
+            if self._fp_next % FP_BLOCK + n > FP_BLOCK:  # to the next block
+                self._fp_next += -self._fp_next % FP_BLOCK
+            start = self._fp_index[id(slot)] = self._fp_next
+            self._fp_next += max(n, 1) if n <= FP_BLOCK else -(-n // FP_BLOCK) * FP_BLOCK
+        block = start // FP_BLOCK
+        while len(self._fps) <= block:
+            size = max(FP_BLOCK, self._fp_next - len(self._fps) * FP_BLOCK)
+            buf = torch.empty(size, dtype=torch.int64)
+            self._fps.append(buf.pin_memory() if self.ring.pin else buf)
+        offset = start % FP_BLOCK
+        return self._fps[block][offset : offset + n]
+
+    def recorded(self, slot: Any) -> torch.Tensor | None:
+        """The fingerprints ``record`` took at ``slot``'s last load (host ``int64``, one per
+        member, in order), or None: not disk-backed, not on the device, or not recorded.
+        Their copy was queued on the load's stream: read them after a host wait that
+        follows it (the check's own device fingerprints read back, ``checks``)."""
+        if id(slot) not in self._loaded or not self.holds(slot):
+            return None
+        if not slot.on_device(self.platform.device):
+            return None
+        return self._fp_view(slot)
 
     def close(self) -> None:
         """Stop the reader thread (``disable``)."""

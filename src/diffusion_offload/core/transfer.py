@@ -509,6 +509,16 @@ class Mover:
         if span.numel() == storage.nbytes() and hostmem.pin_in_place(self.platform, storage):
             txn.on_rollback(lambda: hostmem.unpin_in_place(self.platform, storage))
             return span, True
+        if span.numel() > hostmem.PIN_CHUNK:  # no single pin above the chunk: a fresh buffer
+            fresh = torch.empty(span.numel(), dtype=torch.uint8)  # registered in pieces
+            if hostmem.pin_in_place(self.platform, fresh.untyped_storage()):
+                fresh.copy_(span)
+                return fresh, True
+            self._warn_pin(
+                f"{span.numel()} bytes exceed the {hostmem.PIN_CHUNK}-byte pinning chunk and "
+                "cannot be registered in pieces here"
+            )
+            return span, False
         try:  # a read-only mapping, or no in-place registration here: copy, per storage
             return span.pin_memory(), True
         except RuntimeError as exc:

@@ -249,9 +249,13 @@ class Omni:
         self.dtype = self._resolve_dtype(dtype_choice)
         self.plan_choice = None
         self.plan_message: str | None = None  # auto's pick, the line it logs
+        host_memory_budget = check_budget(host_memory_budget)
         if auto:
+            if host_memory_budget == "auto" and not self.platform.is_noop:
+                host_memory_budget = auto_host_budget()  # before the weights are read
             self.config, picked_budget = self._auto_config(
-                plan_shape, layer_blocks, budget=device_memory_budget is None)
+                plan_shape, layer_blocks, budget=device_memory_budget is None,
+                host_budget=host_memory_budget if isinstance(host_memory_budget, int) else None)
             if picked_budget is not None:
                 device_memory_budget = picked_budget
         self.device_memory_budget = device_memory_budget  # as run: auto's pick included
@@ -268,7 +272,6 @@ class Omni:
 
         from diffusers import DiffusionPipeline
 
-        host_memory_budget = check_budget(host_memory_budget)
         if host_memory_budget == "auto" and self.config is not None and not self.platform.is_noop:
             host_memory_budget = auto_host_budget()  # before the weights are read
         self.host_memory_budget = host_memory_budget
@@ -348,9 +351,11 @@ class Omni:
 
     def _auto_config(self, shape: Mapping[str, int | None] | None,
                      layer_blocks: Mapping[str, Sequence[str]] | None,
-                     budget: bool) -> tuple[DiffusionOffloadConfig | None, int | None]:
+                     budget: bool, host_budget: int | None = None
+                     ) -> tuple[DiffusionOffloadConfig | None, int | None]:
         """Resolve ``diffusion_offload_config="auto"`` with the planner (logged in one line):
-        the config and the ``device_memory_budget`` to run (None: none picked)."""
+        the config and the ``device_memory_budget`` to run (None: none picked); a candidate
+        whose RAM-only host copies exceed ``host_budget`` (bytes) is not picked."""
         if self.platform.is_noop:
             logger.info("diffusion_offload_config=auto on the cpu: no offload (a no-op there)")
             return None, None
@@ -361,7 +366,7 @@ class Omni:
             free_bytes=self.platform.memory_stats().free_bytes, dtype=self.dtype,
             variant=self.variant, component_roles=self.component_roles, shape=shape,
             modes=("module", "layer"), layer_blocks=layer_blocks,
-            budget=budget,
+            budget=budget, host_memory_budget=host_budget,
         )
         self.plan_choice = choice.row
         self.plan_message = choice.message

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..units import human_bytes
 from .memory import DEVICE_KINDS
-from .plan import DEFAULT_H2D_BANDWIDTH, PlanRow, choose, plan_model, resolve_request
+from .plan import DEFAULT_H2D_BANDWIDTH, HostInputs, PlanRow, choose, plan_model, resolve_request
 
 __all__ = ["AutoChoice", "auto_config"]
 
@@ -60,6 +60,7 @@ def auto_config(
     h2d_bandwidth: float = DEFAULT_H2D_BANDWIDTH,
     layer_blocks: Mapping[str, Sequence[str]] | None = None,
     budget: bool = True,
+    host_memory_budget: int | None = None,
 ) -> AutoChoice:
     """Plan ``path`` and return the config of the fastest candidate that fits.
 
@@ -77,6 +78,9 @@ def auto_config(
             one are not picked.
         h2d_bandwidth: host-to-device bytes/s used to rank candidates.
         layer_blocks: block container overrides per component (layer mode).
+        host_memory_budget: the backends' host-memory budget (bytes): each row's host
+            columns follow the backends' tier rule under it, and a row whose RAM-only
+            host copies exceed it does not fit (:mod:`.host`); None: no budget.
 
     Raises:
         FitError: no runnable candidate fits (one line: the smallest need).
@@ -91,7 +95,8 @@ def auto_config(
                          layer_blocks=layer_blocks)
     request = resolve_request(pm, shape.get("height"), shape.get("width"), shape.get("num_frames"),
                               shape.get("num_inference_steps"))
-    rows = plan_model(pm, request, free_bytes, device_kind=kind, h2d_bandwidth=h2d_bandwidth)
+    rows = plan_model(pm, request, free_bytes, device_kind=kind, h2d_bandwidth=h2d_bandwidth,
+                      host=HostInputs(host_memory_budget))
     runnable = [r for r in rows
                 if (r.config.get("diffusion_offload_config") is None
                     or r.config["diffusion_offload_config"]["mode"] in modes)

@@ -120,6 +120,8 @@ class PlanModel:
         modules: the same components built on the meta device (for activation runs).
         index: the parsed ``model_index.json``.
         scheduler: the pipeline's scheduler, built from its config (None if it has none).
+        files: the safetensors files of each component (empty for a weightless config).
+        host_sizes: ``planner.host``'s per-component tensor sizes, once computed.
     """
 
     model: str
@@ -131,6 +133,8 @@ class PlanModel:
     modules: dict[str, nn.Module] = field(repr=False, default_factory=dict)
     index: dict[str, Any] = field(repr=False, default_factory=dict)
     scheduler: Any = field(repr=False, default=None)
+    files: dict[str, list[Path]] = field(repr=False, default_factory=dict)
+    host_sizes: dict[str, Any] = field(repr=False, default_factory=dict)
 
     def bytes_of(self, names: Iterator[str] | list[str] | set[str]) -> int:
         """Total device bytes of the named components."""
@@ -540,4 +544,4 @@ def load_plan_model(
                 f"{pipeline_class}; components: {sorted(components)}"
             )
     return PlanModel(str(model), path, pipeline_class, weightless, load_dtype, components,
-                     modules, index, scheduler)
+                     modules, index, scheduler, dict(files))

@@ -56,12 +56,14 @@ from typing import Any
 
 from ..core.policy import BlockSpec, keep_blocks
 from ..units import human_bytes
+from .host import DEFAULT_DISK_BANDWIDTH, host_columns
 from .memory import DEVICE_KINDS
 from .model import ComponentSize, PlanModel, load_plan_model
 from .stages import Request, StageReport, measure_request
 
 __all__ = [
     "DEFAULT_H2D_BANDWIDTH",
+    "HostInputs",
     "PlanRow",
     "choose",
     "fastest_fitting",
@@ -95,8 +97,14 @@ class PlanRow:
             a request (bytes).
         h2d_bytes_per_request: host-to-device weight bytes of one request, steady state
             (bytes).
-        transfer_seconds: ``h2d_bytes_per_request`` at the planned bandwidth (seconds).
-        fits: ``peak_bytes <= device_memory``.
+        transfer_seconds: ``h2d_bytes_per_request`` at the planned bandwidth, plus
+            ``disk_read_bytes_per_request`` at the disk bandwidth (seconds).
+        fits: ``peak_bytes <= device_memory`` and ``host_fits``.
+        pinned_bytes, pageable_bytes, disk_bytes, staging_bytes: where the host copies
+            live under the host-memory budget (``host.HostColumns``; without a budget every
+            host copy is pinned).
+        disk_read_bytes_per_request: disk-backed bytes read per request (steady state).
+        host_fits: what must live in RAM fits the host-memory budget.
     """
 
     name: str
@@ -106,6 +114,12 @@ class PlanRow:
     h2d_bytes_per_request: int
     transfer_seconds: float
     fits: bool
+    pinned_bytes: int = 0
+    pageable_bytes: int = 0
+    disk_bytes: int = 0
+    staging_bytes: int = 0
+    disk_read_bytes_per_request: int = 0
+    host_fits: bool = True
 
 
 @dataclass(frozen=True)
@@ -163,14 +177,14 @@ def _budget_candidate(pm: PlanModel, report: StageReport, device_memory: int,
                       "budget", frozenset(sel), budget=budget)
 
 
-def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[int, int, int]:
+def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> _Walk:
     """The memory policy with a budget (``policy.MemoryPolicy``): a stage loads its group
     (all selected encoders together, or one DiT), first evicting selected components by
     farthest next use in the request's cyclic order until the budget holds; nothing else
     moves (the VAE keeps the DiTs beside it; prefetch moves the same bytes earlier).
     Transfers: the mean of two consecutive steady-state requests (with room for two of
-    Wan2.2's three components the pattern alternates). The peak assumes the budget full
-    at every segment (prefetch may fill it)."""
+    Wan2.2's three components the pattern alternates), and the loads per component (their
+    mean). The peak assumes the budget full at every segment (prefetch may fill it)."""
     comps = pm.components
     sel = cand.selected
     encoders = {n for n in sel if comps[n].role != "dit"}
@@ -184,8 +198,10 @@ def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[
     total = pm.bytes_of(comps)
     resting = 0
     moved: list[int] = []
+    counts: list[dict[str, int]] = []
     for _request in range(5):  # steady state: the policy may alternate between two patterns
         h2d = 0
+        count: dict[str, int] = {}
         for pos, group in enumerate(order):
             missing = (group & sel) - resident
             need = pm.bytes_of(missing)
@@ -203,12 +219,16 @@ def _walk_budget(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[
                 resident.discard(victim)
             resident |= missing
             h2d += need
+            for name in missing:
+                count[name] = count.get(name, 0) + 1
             resting = max(resting, pm.bytes_of(resident))
         moved.append(h2d)
+        counts.append(count)
     h2d = (moved[-1] + moved[-2]) // 2
+    loads = {n: (counts[-1].get(n, 0) + counts[-2].get(n, 0)) / 2 for n in sel}
     full = min(budget, total)
     peak = max(full + act for _, act in report.segments) if report.segments else full
-    return resting, peak, h2d
+    return resting, peak, h2d, loads
 
 
 def _layer_selection(pm: PlanModel) -> tuple[str, ...]:
@@ -259,15 +279,19 @@ def _layer_parts(pm: PlanModel, sel: frozenset[str], k: int) -> tuple[int, list[
     return fixed, blocks
 
 
-def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
-          device_kind: str) -> tuple[int, int, int]:
-    """``(resting, peak, h2d per request)`` of ``cand`` over the request's segments (bytes)."""
+_Walk = tuple[int, int, int, dict[str, float]]
+
+
+def _walk(pm: PlanModel, report: StageReport, cand: _Candidate, device_kind: str) -> _Walk:
+    """``(resting, peak, h2d per request, loads)`` of ``cand`` over the request's segments
+    (bytes; loads: per selected component, how often a request loads it, or, layer mode,
+    calls it)."""
     comps = pm.components
     if cand.kind == "resident":
         weights = pm.bytes_of(comps)
         if device_kind in _PRIVATEUSE1:  # ``pipeline.to()`` unties shared Parameters there
             weights += sum(c.tied_extra for c in comps.values())
-        return weights, weights + max((p for _, p in report.segments), default=0), 0
+        return weights, weights + max((p for _, p in report.segments), default=0), 0, {}
     if cand.kind == "layer":
         return _walk_layer(pm, report, cand)
     if cand.kind == "budget":
@@ -277,8 +301,10 @@ def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
     sel_encoders = sel - sel_dits
     resident = {n for n in comps if n not in sel_dits}  # after enable
     resting = peak = h2d = 0
+    loads: dict[str, float] = {}
     for request in (0, 1):
         moved = 0
+        loads = {}
         for name, act in report.segments:
             role = comps[name].role if name in comps else "resident"
             if role == "dit":
@@ -289,14 +315,15 @@ def _walk(pm: PlanModel, report: StageReport, cand: _Candidate,
             for member in sorted(group & sel - resident):
                 resident.add(member)
                 moved += comps[member].nbytes
+                loads[member] = loads.get(member, 0) + 1
             weights = pm.bytes_of(resident)
             resting = max(resting, weights)
             peak = max(peak, weights + act)
         h2d = moved  # the second request: steady state
-    return resting, peak, h2d
+    return resting, peak, h2d, loads
 
 
-def _walk_layer(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[int, int, int]:
+def _walk_layer(pm: PlanModel, report: StageReport, cand: _Candidate) -> _Walk:
     """Layer mode: the fixed bytes, the kept blocks (with a budget) and the two largest
     streamed blocks at rest; every call streams its component's other blocks."""
     fixed, blocks = _layer_parts(pm, cand.selected, cand.resident_layers)
@@ -306,32 +333,63 @@ def _walk_layer(pm: PlanModel, report: StageReport, cand: _Candidate) -> tuple[i
     weights += sum(sorted((n for _, _, n in streamed), reverse=True)[:2])
     h2d = sum(report.calls.get(name, 0) * n for name, _, n in streamed)
     peak = weights + max((p for _, p in report.segments), default=0)
-    return weights, peak, h2d
+    return weights, peak, h2d, {n: float(c) for n, c in report.calls.items()}
+
+
+def _kept(pm: PlanModel, report: StageReport, cand: _Candidate) -> list[tuple[str, int]]:
+    """Layer mode with a device budget: ``(component, position)`` of the streamed blocks
+    kept resident."""
+    if not cand.budget:
+        return []
+    fixed, blocks = _layer_parts(pm, cand.selected, cand.resident_layers)
+    return [blocks[i][:2] for i in keep_blocks(blocks, report.calls, cand.budget - fixed)]
+
+
+@dataclass(frozen=True)
+class HostInputs:
+    """What the host side of a plan is planned with.
+
+    Attributes:
+        budget: the host-memory budget in bytes (None: no budget).
+        disk_bandwidth: disk read bytes/s (``host.DEFAULT_DISK_BANDWIDTH``).
+        max_pinned_bytes: the backend's pinning cap (None: none).
+    """
+
+    budget: int | None = None
+    disk_bandwidth: float = DEFAULT_DISK_BANDWIDTH
+    max_pinned_bytes: int | None = None
 
 
 def _row(pm: PlanModel, report: StageReport, cand: _Candidate, device_memory: int,
-         bandwidth: float, device_kind: str) -> PlanRow:
-    resting, peak, h2d = _walk(pm, report, cand, device_kind)
-    return PlanRow(cand.name, cand.config, resting, peak, h2d, h2d / bandwidth, peak <= device_memory)
+         bandwidth: float, device_kind: str, host: HostInputs = HostInputs()) -> PlanRow:
+    resting, peak, h2d, loads = _walk(pm, report, cand, device_kind)
+    kind = "module" if cand.kind == "budget" else cand.kind
+    kept = _kept(pm, report, cand) if kind == "layer" else []
+    cols = host_columns(pm, kind, cand.selected, host.budget, loads, cand.resident_layers, kept,
+                        host.max_pinned_bytes)
+    seconds = h2d / bandwidth + cols.disk_read_bytes / host.disk_bandwidth
+    return PlanRow(cand.name, cand.config, resting, peak, h2d, seconds,
+                   peak <= device_memory and cols.fits, cols.pinned_bytes, cols.pageable_bytes,
+                   cols.disk_bytes, cols.staging_bytes, cols.disk_read_bytes, cols.fits)
 
 
 def _layer_rows(pm: PlanModel, report: StageReport, device_memory: int, bandwidth: float,
-                kind: str, budget: int | None = None) -> list[PlanRow]:
+                kind: str, budget: int | None = None, host: HostInputs = HostInputs()) -> list[PlanRow]:
     sel = _layer_selection(pm)
     if not sel:
         return []
     budgeted = _layer_budget_candidate(pm, report, sel, device_memory, budget)
     most = min(len(c.blocks) for c in pm.components.values() if c.role == "dit")
-    rows = [_row(pm, report, _layer_candidate(pm, sel, 0), device_memory, bandwidth, kind)]
+    rows = [_row(pm, report, _layer_candidate(pm, sel, 0), device_memory, bandwidth, kind, host)]
     best = None
     for k in range(1, most + 1):
-        row = _row(pm, report, _layer_candidate(pm, sel, k), device_memory, bandwidth, kind)
+        row = _row(pm, report, _layer_candidate(pm, sel, k), device_memory, bandwidth, kind, host)
         if not row.fits:
             break
         best = row
     if best is not None:
         rows.append(best)
-    rows.append(_row(pm, report, budgeted, device_memory, bandwidth, kind))
+    rows.append(_row(pm, report, budgeted, device_memory, bandwidth, kind, host))
     return rows
 
 
@@ -380,21 +438,24 @@ def plan_model(
     device_kind: str = "cuda",
     h2d_bandwidth: float = DEFAULT_H2D_BANDWIDTH,
     device_memory_budget: int | None = None,
+    host: HostInputs = HostInputs(),
 ) -> list[PlanRow]:
     """The rows of an already loaded :class:`~.model.PlanModel` (see :func:`plan_offload`).
 
     ``device_memory_budget``: the budget of the two budget rows (module and layer mode,
     bytes; raised to the smallest workable one); None: ``device_memory`` minus the
-    largest activation peak."""
+    largest activation peak. ``host``: the host-memory budget and disk bandwidth the host
+    columns are planned with (:mod:`.host`)."""
     report = measure_request(pm, request, device_kind)
     everything = _Candidate("all resident", {"diffusion_offload_config": None}, "resident")
-    rows = [_row(pm, report, everything, device_memory, h2d_bandwidth, device_kind)]
+    rows = [_row(pm, report, everything, device_memory, h2d_bandwidth, device_kind, host)]
     candidates = _module_candidates(pm)
     budgeted = _budget_candidate(pm, report, device_memory, device_memory_budget)
     candidates += [budgeted] if budgeted is not None else []
     for cand in candidates:
-        rows.append(_row(pm, report, cand, device_memory, h2d_bandwidth, device_kind))
-    rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind, device_memory_budget)
+        rows.append(_row(pm, report, cand, device_memory, h2d_bandwidth, device_kind, host))
+    rows += _layer_rows(pm, report, device_memory, h2d_bandwidth, device_kind, device_memory_budget,
+                        host)
     return rows
 
 
@@ -452,6 +513,8 @@ def plan_offload(
     cfg: bool | None = None,
     max_sequence_length: int | None = None,
     weights_dtype: str | Mapping[str, str] | None = None,
+    host_memory_budget: int | None = None,
+    disk_bandwidth: float = DEFAULT_DISK_BANDWIDTH,
 ) -> list[PlanRow]:
     """Predict, for every offload candidate, resting and peak device bytes and transfer cost.
 
@@ -477,6 +540,10 @@ def plan_offload(
         max_sequence_length: text tokens (None: the pipeline's default).
         weights_dtype: formats the weights are quantized or cast to at load
             (``"fp8"``, ``"dit=fp8,text_encoder=bf16"``: :mod:`.quant`).
+        host_memory_budget: the backends' ``host_memory_budget`` in bytes: the host
+            columns follow the backends' tier rule under it (:mod:`.host`); None: every
+            host copy pinned, nothing on disk.
+        disk_bandwidth: disk read bytes/s, for the disk reads' seconds (default 3e9).
 
     Returns:
         One :class:`PlanRow` per candidate: all resident, module mode for each selection
@@ -501,7 +568,13 @@ def plan_offload(
     pm = load_plan_model(model, variant=variant, dtype=dtype, component_roles=component_roles,
                          weights_dtype=weights_dtype)
     request = resolve_request(pm, height, width, num_frames, steps, cfg, max_sequence_length)
-    return plan_model(pm, request, device_memory, device_kind=device_kind, h2d_bandwidth=h2d_bandwidth)
+    for name, value in (("host_memory_budget", host_memory_budget),):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name}={value!r} is not allowed; allowed: an int >= 0 (bytes) or None")
+    if isinstance(disk_bandwidth, bool) or not isinstance(disk_bandwidth, (int, float)) or not disk_bandwidth > 0:
+        raise ValueError(f"disk_bandwidth={disk_bandwidth!r} is not allowed; allowed: bytes/s > 0")
+    return plan_model(pm, request, device_memory, device_kind=device_kind, h2d_bandwidth=h2d_bandwidth,
+                      host=HostInputs(host_memory_budget, float(disk_bandwidth)))
 
 
 def choose(rows: Sequence[PlanRow], device_memory: int, what: str) -> PlanRow:
@@ -521,17 +594,20 @@ def choose(rows: Sequence[PlanRow], device_memory: int, what: str) -> PlanRow:
     from ..models.fit import FitError
 
     smallest = min(rows, key=lambda r: r.peak_bytes)
+    host = [r.name for r in rows if not r.host_fits]
     raise FitError(
         f"diffusion_offload_config='auto': no candidate fits in {human_bytes(device_memory)} "
         f"({device_memory} bytes) for {what}; the smallest need is '{smallest.name}' with a peak of "
         f"{human_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
+        + (f"; the host-memory budget cannot hold the RAM-only host copies of {host}" if host else "")
     )
 
 
 def format_plan(rows: Sequence[PlanRow], *, title: str = "") -> str:
     """The rows as a text table in binary units; the row ``auto`` picks is marked ``*``."""
     best = fastest_fitting(rows)
-    header = ("", "candidate", "resting", "peak", "H2D/request", "transfer", "fits")
+    header = ("", "candidate", "resting", "peak", "H2D/request", "pinned", "pageable", "disk",
+              "disk/request", "transfer", "fits")
     table = [header]
     for r in rows:
         table.append((
@@ -540,8 +616,12 @@ def format_plan(rows: Sequence[PlanRow], *, title: str = "") -> str:
             human_bytes(r.resting_bytes),
             human_bytes(r.peak_bytes),
             human_bytes(r.h2d_bytes_per_request),
+            human_bytes(r.pinned_bytes + r.staging_bytes),
+            human_bytes(r.pageable_bytes),
+            human_bytes(r.disk_bytes),
+            human_bytes(r.disk_read_bytes_per_request),
             f"{r.transfer_seconds:.2f} s",
-            "yes" if r.fits else "no",
+            "yes" if r.fits else ("no (host)" if not r.host_fits else "no"),
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [title] if title else []

@@ -13,6 +13,7 @@ of the residency invariant.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import hostmem, tiers
+from ..weights_from import back_with_files
 from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from ..discovery import Component, discover_components
 from ..foreign import check_foreign_hooks
@@ -61,6 +63,12 @@ class OffloadBackendBase:
             host copy in RAM, as before). What does not fit stays on disk, file-backed
             (``tiers``); ``stats`` gives ``pinned_bytes``, ``pageable_host_bytes``,
             ``disk_backed_bytes`` and ``disk_read_bytes``; ``tier_plan`` the choice.
+        weights_from: with a ``host_memory_budget``, the pipeline folder the weights came
+            from, for a pipeline not loaded by ``Omni``: at ``enable`` its selected host
+            weights that are not file-backed are file-backed from that folder's safetensors
+            (``weights_from.back_with_files``: matched by name, shape, dtype and bytes; a
+            mismatch raises ``WeightsMismatchError`` naming the tensor); without it, such
+            weights are RAM-only and count against the budget.
 
     A backend is a context manager: ``with ModelLevelOffloadBackend(...) as b:
     b.enable(pipe)`` disables on exit.
@@ -85,6 +93,7 @@ class OffloadBackendBase:
         use_hsdp: bool = False,
         max_pinned_bytes: int | None = None,
         host_memory_budget: int | str | None = None,
+        weights_from: str | os.PathLike[str] | None = None,
     ) -> None:
         parsed = parse_diffusion_offload_config(config)
         if parsed is None:
@@ -110,6 +119,9 @@ class OffloadBackendBase:
         self.use_hsdp = use_hsdp
         self.max_pinned_bytes = max_pinned_bytes
         self.host_memory_budget = tiers.check_budget(host_memory_budget)
+        if weights_from is not None and not isinstance(weights_from, (str, os.PathLike)):
+            raise TypeError(f"weights_from must be a folder path (str or PathLike) or None, got {weights_from!r}")
+        self.weights_from = weights_from
         #: the host tiers chosen at the last ``enable`` with a budget (``tiers.TierPlan``)
         self.tier_plan: tiers.TierPlan | None = None
         self.mover = Mover(self.platform, parsed.pin_memory, max_pinned_bytes)
@@ -342,17 +354,20 @@ class OffloadBackendBase:
                     if p.device.type == "cpu":
                         payloads.setdefault(id(t), t)
         maps = tiers.FileMaps()
+        if self.weights_from is not None:
+            if back_with_files(self.weights_from, named, selected, maps):
+                maps = tiers.FileMaps()  # the new maps
         if budget == "auto":
             held = sum(
                 payload_of(t).numel() * payload_of(t).element_size()
                 for t in payloads.values() if maps.backing(payload_of(t)) is None
             )
             budget = tiers.auto_host_budget(held)
-        unit = 0 if not self.STAGE_BY_UNIT else max((
-            sum(payload_of(t).numel() * payload_of(t).element_size() for _, t in tensors
-                if maps.backing(payload_of(t)) is not None)
+        unit = 0 if not self.STAGE_BY_UNIT else tiers.stage_unit(
+            [(payload_of(t).numel() * payload_of(t).element_size(),
+              maps.backing(payload_of(t)) is not None) for _, t in tensors]
             for name, tensors in named.items() if selected[name]
-        ), default=0)
+        )
         plan = tiers.plan_tiers(payloads.values(), budget, maps, unit)
         self.tier_plan = plan
         logger.info(plan.line())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -229,7 +230,8 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             an 8-byte read-back, and so a host wait, for the call's carried first block).
             False: for pure inference, device->host traffic is exactly the pipeline's
             own, and a write to a streamed weight while it is on the device is lost.
-        component_roles, max_pinned_bytes, host_memory_budget: as ``ModelLevelOffloadBackend``.
+        component_roles, max_pinned_bytes, host_memory_budget, weights_from: as
+            ``ModelLevelOffloadBackend``.
         device_memory_budget: bytes of weights that may be on the device at once
             (``"auto"``: the free device memory at enable minus max(10 % of the
             device, 1 GiB); None: no budget, only the trunks and two blocks). The
@@ -267,10 +269,11 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         max_pinned_bytes: int | None = None,
         device_memory_budget: int | str | None = None,
         host_memory_budget: int | str | None = None,
+        weights_from: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(
             config, device, component_roles=component_roles, max_pinned_bytes=max_pinned_bytes,
-            host_memory_budget=host_memory_budget,
+            host_memory_budget=host_memory_budget, weights_from=weights_from,
         )
         if device_memory_budget != "auto":  # the bytes of "auto" are measured at enable
             resolve_budget(device_memory_budget, self.platform)

@@ -8,6 +8,7 @@ turns, VAEs stay resident, host copies are pinned (SPEC section 4). With a
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +53,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         max_pinned_bytes: int | None = None,
         device_memory_budget: int | str | None = None,
         host_memory_budget: int | str | None = None,
+        weights_from: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -60,6 +62,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
             use_hsdp=use_hsdp,
             max_pinned_bytes=max_pinned_bytes,
             host_memory_budget=host_memory_budget,
+            weights_from=weights_from,
         )
         if device_memory_budget is not None:
             # validate now (the bytes of "auto" are measured at enable)
