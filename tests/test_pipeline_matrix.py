@@ -53,13 +53,13 @@ def test_animatediff_without_its_motion_adapter_is_exact_and_moves_less(fake_dev
     import numpy as np
 
     from diffusion_offload import ModelLevelOffloadBackend
-    from diffusion_offload.testing import tiny_video_families
+    from diffusion_offload.testing import tiny_families
 
     if "animatediff" not in _REFS:
         _REFS["animatediff"] = reference("animatediff", fake_device)
     h2d = {}
     for drop in (False, True):
-        pipe = tiny_video_families.build("animatediff")
+        pipe = tiny_families.build("animatediff")
         adapter = pipe.motion_adapter
         adapter_bytes = sum(t.numel() * t.element_size() for t in [*adapter.parameters(), *adapter.buffers()])
         if drop:
@@ -67,7 +67,7 @@ def test_animatediff_without_its_motion_adapter_is_exact_and_moves_less(fake_dev
         backend = ModelLevelOffloadBackend({"mode": "module", "components": ["dit"]}, fake_device)
         backend.enable(pipe.to(fake_device))
         try:
-            out = tiny_video_families.run("animatediff", pipe).numpy()
+            out = tiny_families.run("animatediff", pipe).numpy()
             assert float(np.abs(out - _REFS["animatediff"]).max()) == 0.0
             assert backend.audit() == []
             h2d[drop] = backend.stats.h2d_bytes

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..core.caches import clear_method_caches
-from . import tiny_families, tiny_image_families, tiny_pipelines, tiny_video_families
+from . import tiny_families, tiny_pipelines
 
 __all__ = ["FAMILIES", "MODES", "NEVER_CALLED", "Cell", "Family", "check", "reference", "weight_bytes"]
 
@@ -54,14 +54,6 @@ def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
     return (lambda: tiny_families.build(name)), (lambda pipe: tiny_families.run(name, pipe).numpy())
 
 
-def _image(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
-    return (lambda: tiny_image_families.build(name)), (lambda pipe: tiny_image_families.run(name, pipe).numpy())
-
-
-def _video(name: str) -> tuple[Callable[[], Any], Callable[[Any], np.ndarray]]:
-    return (lambda: tiny_video_families.build(name)), (lambda pipe: tiny_video_families.run(name, pipe).numpy())
-
-
 FAMILIES: dict[str, Family] = {
     "wan2.1": Family("Wan2.1", "WanPipeline", *_kind("wan2.1")),
     "wan2.2": Family("Wan2.2 T2V", "WanPipeline", *_kind("wan2.2")),
@@ -74,25 +66,25 @@ FAMILIES: dict[str, Family] = {
     "sd-controlnet": Family("SD 1.x + ControlNet", "StableDiffusionControlNetPipeline", *_family("sd-controlnet")),
     "kandinsky2.2": Family("Kandinsky 2.2 decoder", "KandinskyV22Pipeline", *_family("kandinsky2.2")),
     "dit": Family("DiT (class-conditional)", "DiTPipeline", *_family("dit")),
-    "flux-controlnet": Family("FLUX.1 + ControlNet", "FluxControlNetPipeline", *_image("flux-controlnet")),
-    "sdxl-controlnet": Family("SDXL + ControlNet", "StableDiffusionXLControlNetPipeline", *_image("sdxl-controlnet")),
-    "z-image": Family("Z-Image", "ZImagePipeline", *_image("z-image")),
-    "sana": Family("Sana", "SanaPipeline", *_image("sana")),
-    "lumina2": Family("Lumina2", "Lumina2Pipeline", *_image("lumina2")),
-    "hidream": Family("HiDream", "HiDreamImagePipeline", *_image("hidream")),
-    "flux2": Family("FLUX.2", "Flux2Pipeline", *_image("flux2")),
+    "flux-controlnet": Family("FLUX.1 + ControlNet", "FluxControlNetPipeline", *_family("flux-controlnet")),
+    "sdxl-controlnet": Family("SDXL + ControlNet", "StableDiffusionXLControlNetPipeline", *_family("sdxl-controlnet")),
+    "z-image": Family("Z-Image", "ZImagePipeline", *_family("z-image")),
+    "sana": Family("Sana", "SanaPipeline", *_family("sana")),
+    "lumina2": Family("Lumina2", "Lumina2Pipeline", *_family("lumina2")),
+    "hidream": Family("HiDream", "HiDreamImagePipeline", *_family("hidream")),
+    "flux2": Family("FLUX.2", "Flux2Pipeline", *_family("flux2")),
     "stable-cascade": Family("Stable Cascade (prior + decoder)", "StableCascadeCombinedPipeline",
-                             *_image("stable-cascade")),
-    "qwen-image-edit": Family("Qwen-Image-Edit", "QwenImageEditPipeline", *_image("qwen-image-edit")),
-    "hunyuan-video": Family("HunyuanVideo", "HunyuanVideoPipeline", *_video("hunyuan-video")),
-    "hunyuan-video-1.5": Family("HunyuanVideo 1.5", "HunyuanVideo15Pipeline", *_video("hunyuan-video-1.5")),
-    "ltx-video": Family("LTX-Video", "LTXPipeline", *_video("ltx-video")),
-    "ltx2": Family("LTX-2", "LTX2Pipeline", *_video("ltx2")),
-    "cogvideox": Family("CogVideoX", "CogVideoXPipeline", *_video("cogvideox")),
-    "mochi": Family("Mochi", "MochiPipeline", *_video("mochi")),
-    "skyreels-v2": Family("SkyReels-V2", "SkyReelsV2Pipeline", *_video("skyreels-v2")),
-    "animatediff": Family("AnimateDiff", "AnimateDiffPipeline", *_video("animatediff")),
-    "kandinsky5": Family("Kandinsky 5 (T2V)", "Kandinsky5T2VPipeline", *_video("kandinsky5")),
+                             *_family("stable-cascade")),
+    "qwen-image-edit": Family("Qwen-Image-Edit", "QwenImageEditPipeline", *_family("qwen-image-edit")),
+    "hunyuan-video": Family("HunyuanVideo", "HunyuanVideoPipeline", *_family("hunyuan-video")),
+    "hunyuan-video-1.5": Family("HunyuanVideo 1.5", "HunyuanVideo15Pipeline", *_family("hunyuan-video-1.5")),
+    "ltx-video": Family("LTX-Video", "LTXPipeline", *_family("ltx-video")),
+    "ltx2": Family("LTX-2", "LTX2Pipeline", *_family("ltx2")),
+    "cogvideox": Family("CogVideoX", "CogVideoXPipeline", *_family("cogvideox")),
+    "mochi": Family("Mochi", "MochiPipeline", *_family("mochi")),
+    "skyreels-v2": Family("SkyReels-V2", "SkyReelsV2Pipeline", *_family("skyreels-v2")),
+    "animatediff": Family("AnimateDiff", "AnimateDiffPipeline", *_family("animatediff")),
+    "kandinsky5": Family("Kandinsky 5 (T2V)", "Kandinsky5T2VPipeline", *_family("kandinsky5")),
 }
 """Family key -> ``Family``, in the README's order."""
 

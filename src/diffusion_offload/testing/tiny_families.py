@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from . import tiny_image_families, tiny_video_families
+from .tiny_image_families import _sd_vae
 from .tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 __all__ = ["FAMILIES", "build", "run"]
@@ -48,15 +50,6 @@ def _sd_unet(cross_attention_dim: int = 32):
         block_out_channels=(4, 8), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=cross_attention_dim, norm_num_groups=1,
-    ))
-
-
-def _sd_vae():
-    from diffusers import AutoencoderKL
-
-    return _seeded(lambda: AutoencoderKL(
-        block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=2,
     ))
 
 
@@ -248,17 +241,23 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
 }
 
 
+def _registry() -> dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]:
+    return {**FAMILIES, **tiny_image_families.FAMILIES, **tiny_video_families.FAMILIES}
+
+
 def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    if name not in FAMILIES:
-        raise ValueError(f"family={name!r} is not a tiny family; allowed: {sorted(FAMILIES)}")
-    return FAMILIES[name]
+    families = _registry()
+    if name not in families:
+        raise ValueError(f"family={name!r} is not a tiny family; allowed: {sorted(families)}")
+    return families[name]
 
 
 def build(name: str) -> Any:
-    """A new tiny random pipeline of family ``name`` on the host (progress bar off).
+    """A new tiny random pipeline of family ``name`` (this module's ``FAMILIES``, or those of
+    ``tiny_image_families`` and ``tiny_video_families``) on the host (progress bar off).
 
     Raises:
-        ValueError: ``name`` is not in ``FAMILIES``.
+        ValueError: ``name`` is not a tiny family (the message lists them).
     """
     pipe = _family(name)[0]()
     pipe.set_progress_bar_config(disable=True)
@@ -267,10 +266,12 @@ def build(name: str) -> Any:
 
 def run(name: str, pipe: Any) -> torch.Tensor:
     """Call ``pipe`` (a family ``name`` pipeline) with fixed seeds and two steps; returns
-    its output as a float64 host tensor (images ``(1, H, W, 3)``, Shap-E latents).
+    its output as a float64 host tensor: images ``(1, H, W, 3)`` in [0, 1] (H = W = 32 but
+    Lumina2 16, Qwen-Image-Edit 64, Stable Cascade 128), video frames ``(1, F, H, W, 3)``
+    (LTX-2: the frames and the audio waveform, flattened and concatenated), Shap-E latents.
 
     Raises:
-        ValueError: ``name`` is not in ``FAMILIES``.
+        ValueError: ``name`` is not a tiny family (the message lists them).
     """
     out = _family(name)[1](pipe)
     return torch.as_tensor(out).detach().to("cpu", torch.float64)

@@ -1,9 +1,9 @@
 """Tiny random pipelines of diffusers *image* families for the compatibility matrix (issue 25).
 
-Same interface as ``tiny_families``: ``build(name) -> pipe`` (on the host, progress bar off,
-random weights seeded per component, our own tokenizers from ``tiny_tokenizers``) and
-``run(name, pipe) -> torch.Tensor`` (float64 on the host: the pipeline's ``output_type="np"``
-images ``(1, H, W, 3)``, H = W = 32 unless stated, two denoising steps, guidance on).
+``FAMILIES`` maps a name to its builder (a pipeline on the host, random weights seeded per
+component, our own tokenizers from ``tiny_tokenizers``) and runner (the pipeline's
+``output_type="np"`` images ``(1, H, W, 3)``, H = W = 32 unless stated, two denoising steps,
+guidance on); build and run them by name with ``tiny_families.build``/``run``.
 The text encoders that transformers ships in large sizes only (Gemma 2, Llama, Qwen3,
 Mistral 3) are built from tiny configs.
 
@@ -49,6 +49,16 @@ _CHAT_TEMPLATE = (
 def _seeded(factory: Callable[[], Any]) -> Any:
     torch.manual_seed(0)
     return factory()
+
+
+def _sd_vae():
+    """The 2-level SD-style ``AutoencoderKL`` (4 latent channels) several families share."""
+    from diffusers import AutoencoderKL
+
+    return _seeded(lambda: AutoencoderKL(
+        block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=2,
+    ))
 
 
 def _generator() -> torch.Generator:
@@ -131,8 +141,6 @@ def _build_sdxl_controlnet():
         StableDiffusionXLControlNetPipeline,
         UNet2DConditionModel,
     )
-
-    from .tiny_families import _sd_vae
 
     common = dict(
         block_out_channels=(8, 16), layers_per_block=1, in_channels=4,
@@ -433,32 +441,3 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "stable-cascade": (_build_stable_cascade, _run_stable_cascade),
     "qwen-image-edit": (_build_qwen_image_edit, _run_qwen_image_edit),
 }
-
-
-def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    if name not in FAMILIES:
-        raise ValueError(f"family={name!r} is not a tiny image family; allowed: {sorted(FAMILIES)}")
-    return FAMILIES[name]
-
-
-def build(name: str) -> Any:
-    """A new tiny random pipeline of family ``name`` on the host (progress bar off).
-
-    Raises:
-        ValueError: ``name`` is not in ``FAMILIES``.
-    """
-    pipe = _family(name)[0]()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def run(name: str, pipe: Any) -> torch.Tensor:
-    """Call ``pipe`` (a family ``name`` pipeline) with fixed seeds and two steps; returns its
-    images as a float64 host tensor ``(1, H, W, 3)`` (H = W = 32; Lumina2 16, Qwen-Image-Edit
-    64, Stable Cascade 128).
-
-    Raises:
-        ValueError: ``name`` is not in ``FAMILIES``.
-    """
-    out = _family(name)[1](pipe)
-    return torch.as_tensor(out).detach().to("cpu", torch.float64)

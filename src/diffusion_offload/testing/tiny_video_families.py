@@ -1,9 +1,9 @@
 """Tiny random pipelines of diffusers' video families, for the compatibility matrix.
 
-Same interface as ``tiny_families``: ``build(name) -> pipe`` (on the host, random weights
-seeded per component, our own tokenizers from ``tiny_tokenizers``, built offline) and
-``run(name, pipe) -> torch.Tensor`` (the pipeline's ``output_type="np"`` frames as a float64
-host tensor, shape ``(1, F, H, W, 3)`` (LTX-2: see below), two denoising steps, fixed seeds).
+``FAMILIES`` maps a name to its builder (a pipeline on the host, random weights seeded per
+component, our own tokenizers from ``tiny_tokenizers``, built offline) and runner (the
+pipeline's ``output_type="np"`` frames, shape ``(1, F, H, W, 3)`` (LTX-2: see below), two
+denoising steps, fixed seeds); build and run them by name with ``tiny_families.build``/``run``.
 
 Families (``FAMILIES``), each as small as its diffusers 0.42 classes allow:
 
@@ -496,32 +496,3 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "animatediff": (_build_animatediff, _run_animatediff),
     "kandinsky5": (_build_kandinsky5, _run_kandinsky5),
 }
-
-
-def _family(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    if name not in FAMILIES:
-        raise ValueError(f"family={name!r} is not a tiny video family; allowed: {sorted(FAMILIES)}")
-    return FAMILIES[name]
-
-
-def build(name: str) -> Any:
-    """A new tiny random pipeline of video family ``name`` on the host (progress bar off).
-
-    Raises:
-        ValueError: ``name`` is not in ``FAMILIES``.
-    """
-    pipe = _family(name)[0]()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def run(name: str, pipe: Any) -> torch.Tensor:
-    """Call ``pipe`` (a family ``name`` pipeline) with fixed seeds and two steps; returns its
-    frames as a float64 host tensor ``(1, F, H, W, 3)`` in [0, 1] (``"ltx2"``: the frames
-    and the audio waveform, flattened and concatenated).
-
-    Raises:
-        ValueError: ``name`` is not in ``FAMILIES``.
-    """
-    out = _family(name)[1](pipe)
-    return torch.as_tensor(out).detach().to("cpu", torch.float64)
