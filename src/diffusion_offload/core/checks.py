@@ -103,15 +103,13 @@ def _recorded(pairs: list[tuple[TensorSlot, Member]], recorded: Recorded | None)
     """Per pair, its member's fingerprint recorded at the load, or None."""
     if recorded is None:
         return [None] * len(pairs)
-    values: dict[int, list[int] | None] = {}
-    out: list[int | None] = []
-    for slot, m in pairs:
-        if id(slot) not in values:
+    by_member: dict[int, int | None] = {}  # id(member) -> its recorded fingerprint
+    for slot, _ in pairs:
+        if id(slot.members[0]) not in by_member:
             fps = recorded(slot)
-            values[id(slot)] = None if fps is None else fps.tolist()
-        fps = values[id(slot)]
-        out.append(None if fps is None else fps[slot.members.index(m)])
-    return out
+            values = [None] * len(slot.members) if fps is None else fps.tolist()
+            by_member.update(zip(map(id, slot.members), values))
+    return [by_member[id(m)] for _, m in pairs]
 
 
 def changed(

@@ -505,12 +505,13 @@ class DiskTier:
         self.ring = StagingRing(platform, plan.staging_bytes, pin)
         self.read_delay = 0.0
         self._slots: dict[int, tuple[Any, int]] = {}  # id(slot) -> (slot, host data_ptr)
-        # fingerprints recorded at loads (``record``): id(slot) -> its first entry in
-        # ``_fps`` (host int64 blocks of FP_BLOCK entries, pinned with the ring), and the
+        # fingerprints recorded at loads (``record``): id(slot) -> its entries (a view of a
+        # host int64 block of FP_BLOCK entries, pinned with the ring; a slot with more
+        # members gets a buffer of its own), the free entries of the last block, and the
         # slots recorded since their last load
-        self._fp_index: dict[int, int] = {}
-        self._fp_next = 0
-        self._fps: list[torch.Tensor] = []
+        self._fp_views: dict[int, torch.Tensor] = {}
+        self._fp_block: torch.Tensor | None = None
+        self._fp_free = 0
         self._loaded: set[int] = set()
         self._written: set[int] = set()
         stats.staging_bytes = self.ring.nbytes
@@ -578,22 +579,26 @@ class DiskTier:
         s.check_d2h_bytes += 8 * len(members)
 
     def _fp_view(self, slot: Any) -> torch.Tensor:
-        """``slot``'s entries in the fingerprint blocks (one per member; a slot with more
-        members than a block holds gets a block of its own)."""
-        n = len(slot.members)
-        start = self._fp_index.get(id(slot))
-        if start is None:
-            if self._fp_next % FP_BLOCK + n > FP_BLOCK:  # to the next block
-                self._fp_next += -self._fp_next % FP_BLOCK
-            start = self._fp_index[id(slot)] = self._fp_next
-            self._fp_next += max(n, 1) if n <= FP_BLOCK else -(-n // FP_BLOCK) * FP_BLOCK
-        block = start // FP_BLOCK
-        while len(self._fps) <= block:
-            size = max(FP_BLOCK, self._fp_next - len(self._fps) * FP_BLOCK)
-            buf = torch.empty(size, dtype=torch.int64)
-            self._fps.append(buf.pin_memory() if self.ring.pin else buf)
-        offset = start % FP_BLOCK
-        return self._fps[block][offset : offset + n]
+        """``slot``'s entries for its fingerprints, one per member (host ``int64``), made at
+        its first use: a view of the last fingerprint block while it has room, else of a
+        new one; a slot with more members than a block holds gets a buffer of its own."""
+        view = self._fp_views.get(id(slot))
+        if view is None:
+            n = len(slot.members)
+            if n > FP_BLOCK:
+                view = self._host_int64(n)
+            else:
+                if n > self._fp_free:
+                    self._fp_block, self._fp_free = self._host_int64(FP_BLOCK), FP_BLOCK
+                start = FP_BLOCK - self._fp_free
+                view = self._fp_block[start : start + n]  # type: ignore[index]
+                self._fp_free -= n
+            self._fp_views[id(slot)] = view
+        return view
+
+    def _host_int64(self, n: int) -> torch.Tensor:
+        buf = torch.empty(n, dtype=torch.int64)
+        return buf.pin_memory() if self.ring.pin else buf
 
     def recorded(self, slot: Any) -> torch.Tensor | None:
         """The fingerprints ``record`` took at ``slot``'s last load (host ``int64``, one per
