@@ -13,13 +13,15 @@ the peak over load and both requests of (RssAnon - fake device allocated) minus 
 before loading (``_Peak`` of the test: RssAnon read before and after the device count, the
 smaller taken). The page cache holds the model file throughout (the disk is not cold).
 
-Usage (about two minutes on 2 shared CPU cores)::
+Usage (about two minutes on 2 shared CPU cores; ``--layers 96 --ffn-dim 81920`` builds the
+issue's scale, a 1.5 GB DiT, in about twenty)::
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/host_budget.py
+    HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/host_budget.py [--layers N] [--ffn-dim F]
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -80,8 +82,13 @@ def _one(directory: Path, mode: str, share: str, out_file: Path) -> None:
 
 def main() -> None:
     """Each row in a fresh process, so no run's freed memory shows in another's peak."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=48, help="DiT blocks (default 48)")
+    parser.add_argument("--ffn-dim", type=int, default=32768,
+                        help="feed-forward width (default 32768: 295 MiB with 48 blocks)")
+    args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="host-budget-"))
-    weights = _save_big_wan(directory, num_layers=48, ffn_dim=32768)
+    weights = _save_big_wan(directory, num_layers=args.layers, ffn_dim=args.ffn_dim)
     (directory / "weights").write_text(str(weights))
     print(f"DiT weights: {weights} bytes ({weights / 2**20:.1f} MiB)")
 
