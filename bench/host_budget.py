@@ -14,7 +14,7 @@ before loading (``_Peak`` of the test: RssAnon read before and after the device 
 smaller taken). The page cache holds the model file throughout (the disk is not cold).
 
 Usage (about two minutes on 2 shared CPU cores; ``--layers 96 --ffn-dim 81920`` builds the
-issue's scale, a 1.5 GB DiT, in about twenty)::
+issue's scale, a 1.5 GB DiT, in about twelve)::
 
     HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/host_budget.py [--layers N] [--ffn-dim F]
 """
