@@ -640,7 +640,9 @@ def quiet_libraries(heavy: bool = True) -> None:
     saving progress bars, and Python warnings raised inside those libraries and torch.
     The quantization backends diffusers imports when they are installed log at import
     (torchao: its CUDA-only extensions it could not load, "no triton"; bitsandbytes: its
-    optional ``kernels`` package; torch's pytree: torchao's enums registered with it):
+    optional ``kernels`` package, which bitsandbytes 0.50 asks for a CPU kernel at import on
+    AVX512-BF16 hosts, and ``kernels`` >= 0.19 itself: "Skipping publisher trust check ..."
+    offline; torch's pytree: torchao's enums registered with it):
     their loggers are set to error level too, without importing them.
 
     Environment variables are set first (``setdefault``, so a user's own choice wins) so
@@ -660,7 +662,7 @@ def quiet_libraries(heavy: bool = True) -> None:
     for module in ("diffusers", "transformers", "torch", "huggingface_hub", "accelerate", "torchvision"):
         warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
     for name in ("diffusers", "transformers", "huggingface_hub", "accelerate", "torchao",
-                 "bitsandbytes", "optimum.quanto", "torch.utils._pytree"):
+                 "bitsandbytes", "kernels", "optimum.quanto", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if heavy:
         from diffusers.utils import logging as diffusers_logging
