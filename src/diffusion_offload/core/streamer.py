@@ -21,19 +21,21 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   ``fuse_lora``) is ordered after that copy, and the pipeline's own read of its output
   orders the host too: no host wait is added;
 * a load is one H2D copy per arena (the block's host copies packed together,
-  ``arena``); it notes each tensor's host-visible write state (``writes.write_state``:
-  version counter, storage identity). A block released in the stage call that loaded it
-  is checked on the host against that state: no device op, no host wait; a tensor
-  written in place is written back. The carried block, which sits on the device across a
-  call's boundary where the caller's code may write ``p.data`` in place, is checked on
-  the host as the call ends; when the next stage call starts its arena's sums are
-  computed on the device, read back (one host wait) and compared with the same sums of
-  its host copy (``checks.changed``). Unchanged, the block counts as loaded in that
-  call; changed, what changed is written back (``checks.compare_with_host`` finds which
-  tensors) and the block released. A tensor whose ``.data`` was reassigned (the host
-  cannot judge it) is compared with its host copy at its release the same way.
-  Dropping a prefetch that guessed wrong is a release like any other. The one write
-  neither sees in time: ``p.data.add_(x)`` on a streamed block inside its own forward.
+  ``arena``). Every release is write-checked on the device: the arena's sums are
+  computed there, read back (one host wait) and compared with the same sums of its host
+  copy (``checks.changed``, computed on the host once and again after a write-back);
+  what changed is written back (``checks.compare_with_host`` finds which tensors). The
+  host alone cannot judge a block that ran: an in-place op on ``p.data`` in its forward
+  or in a hook changes neither its version counter nor its storage. The wait comes after
+  the block's compute was queued and the next block's copy was queued on the copy
+  stream, so the copy engine stays busy; what it costs is the host's lead over the
+  device (the next block's kernels are queued once this one finished). The carried
+  block, which sits on the device across a call's boundary, is checked on the host as
+  the call ends (``writes.write_state``: a block its own call wrote in place is released
+  at once) and on the device when the next stage call starts: unchanged, it counts as
+  loaded in that call; changed, it is written back and released. Dropping a prefetch
+  that guessed wrong is a release like any other. ``check_writes=False`` skips every
+  check, for inference that writes no weight.
 
 Other platforms copy synchronously on the current stream.
 
@@ -116,8 +118,8 @@ class BlockStreamer:
             platform has streams). False: every block loads synchronously just before it
             is needed, and a component's first block before its forward starts, so
             results and what the model sees (``param.device``) are the same.
-        check_writes: check each released block for writes (on the host inside a stage
-            call, else 8 bytes of device fingerprints read back) and write changed weights
+        check_writes: check each released block for writes (its arenas' sums computed on
+            the device and read back: one host wait a release) and write changed weights
             back. False trusts that nothing writes the weights while they are on the
             device (pure inference): no check at all, and a write to a streamed weight is
             lost.
@@ -325,6 +327,7 @@ class BlockStreamer:
         comp = block.weights
         members = [m for s in comp.slots if s.evictable and s.on_device(self.device) for m in s.members]
         clean = self._host_changed(block, members)
+        self.stats.host_checks += 1
         if clean is None or any(clean):
             self.prefetched = None
             try:
@@ -682,19 +685,15 @@ class BlockStreamer:
             stream.synchronize()  # no copy may still write what the rollback frees
         txn.rollback()
 
-    def _changed(
-        self, block: StreamedBlock, slots: list[Any], members: list[Member], unchanged: bool
-    ) -> list[bool]:
-        """Per member, whether its device bytes differ from its host copy: on the host
-        when it can tell (``_host_changed``), else by the load's device check
-        (``ComponentWeights.changed``: the arena's sums compared on the device, one host
-        wait)."""
-        if unchanged or not members or not self.check_writes:
+    def _changed(self, block: StreamedBlock, slots: list[Any], members: list[Member]) -> list[bool]:
+        """Per member, whether its device bytes differ from its host copy: the device
+        check (``ComponentWeights.changed``: each arena's sums computed on the device,
+        read back in one copy, one host wait, compared with its host copy's). The host
+        cannot judge a block that ran: an in-place op on ``p.data`` inside its forward or
+        a hook (``m.bias.data.add_(1)``) changes neither its version counter nor its
+        storage (``writes.write_state``)."""
+        if not members or not self.check_writes:
             return [False] * len(members)
-        on_host = self._host_changed(block, members)
-        if on_host is not None:
-            self.stats.host_checks += 1
-            return on_host
         waited = time.perf_counter()
         changed = block.weights.changed(slots)
         self._emit("host wait", block, waited)
@@ -722,9 +721,7 @@ class BlockStreamer:
             changed.append(version != before[0])
         return changed
 
-    def _release(
-        self, block: StreamedBlock, unchanged: bool = False, known: list[bool] | None = None
-    ) -> None:
+    def _release(self, block: StreamedBlock, known: list[bool] | None = None) -> None:
         """Write back what changed, then drop the block's device copies. A prefetched
         block's memory was recorded on the stream that ran it (``_wait``), so the caching
         allocator reuses it only after that compute. All or nothing: on failure the block
@@ -741,7 +738,7 @@ class BlockStreamer:
         txn = Transaction()
         try:
             members = [m for s in slots for m in s.members]
-            changed = known if known is not None else self._changed(block, slots, members, unchanged)
+            changed = known if known is not None else self._changed(block, slots, members)
             mover.evict(slots, txn, changed)
         except BaseException:
             txn.rollback()

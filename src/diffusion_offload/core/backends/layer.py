@@ -226,8 +226,9 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         prefetch: copy block i+1 while block i runs (default). False loads each block
             when it runs: the same results, for measuring what prefetch saves.
         check_writes: detect weights written while on the device and write them back
-            (default: on the host for a block released in the stage call that loaded it;
-            an 8-byte read-back, and so a host wait, for the call's carried first block).
+            (default: each release compares the block's arena sums on the device with its
+            host copy's, one small read-back and so one host wait a release; a ``.data``
+            in-place write inside a forward or a hook is seen too).
             False: for pure inference, device->host traffic is exactly the pipeline's
             own, and a write to a streamed weight while it is on the device is lost.
         component_roles, max_pinned_bytes, host_memory_budget, weights_from: as
