@@ -128,7 +128,6 @@ _WRAPPED: list[tuple[Any, str]] = [
     (streamer.BlockStreamer, "_load"),
     (streamer.BlockStreamer, "_release"),
     (streamer.BlockStreamer, "_changed"),
-    (streamer.BlockStreamer, "_seal"),
     (streamer.BlockStreamer, "_verify_carried"),
     (streamer.BlockStreamer, "_drop_prefetch"),
     (streamer.BlockStreamer, "_sweep"),

@@ -367,9 +367,11 @@ def test_prefetch_overlaps_copies_with_compute(fake_device):
     a GPU kernel would take, so the measurement does not depend on this machine's load)
     and copies are slowed so one block's copy also takes 100 ms: prefetch hides the
     copies (ideal ratio 0.5; serial: 16 x (copy + compute)). The fake device's own host
-    work per block (hooks, write checks) cannot overlap: the blocks are kept small."""
+    work per block (hooks, the release's write check) cannot overlap. The check reads its
+    sums back in a D2H copy that the slowed bandwidth prices too (a few bytes per block):
+    at width 64 this read is about 3 % of a block's bytes (at width 4, 40 %)."""
     step = 0.1
-    kwargs = {"num_blocks": 16, "width": 4, "heads": 2}  # small tensors: cheap write checks
+    kwargs = {"num_blocks": 16, "width": 64, "heads": 2}
     x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0)).to(fake_device)
     walls = {}
     for prefetch in (True, False):
@@ -507,8 +509,8 @@ def test_a_block_written_while_resident_is_written_back(fake_device, write):
         assert done.d2h_bytes == block.fc1.weight.numel() * 4
         # block 0, the carried prefetch, is compared on the device when the call starts,
         # then counts as loaded in this call; each of the 3 releases is compared on the
-        # device; the block carried out is checked on the host as the call ends
-        assert (done.device_checks, done.host_checks) == (1 + 3, 1)
+        # device
+        assert done.device_checks == 1 + 3
         assert backend.audit() == []
     assert _races() == 0
 

@@ -1,5 +1,5 @@
 """Write detection (``core/writes.py``): the README's properties of the fingerprints, the
-block fingerprint of layer mode, and what the host sees of writes (``write_state``)."""
+block fingerprint of layer mode."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from diffusion_offload.core.writes import (
     block_fingerprint,
     fingerprint,
     fingerprints,
-    write_state,
 )
 from diffusion_offload.testing.pytest_plugin import requires_fake
 
@@ -143,17 +142,3 @@ def test_host_and_device_compute_the_same_values(fake_device) -> None:
     assert fingerprints(on_device).cpu().tolist() == fingerprints(block).tolist()
 
 
-def test_write_state_sees_in_place_ops_and_reassignment_not_data_in_place() -> None:
-    p = torch.nn.Parameter(torch.randn(4, 4))
-    state = write_state(p)
-    _ = p * 2, p.sum(), p.detach().clone()  # reads
-    assert write_state(p) == state
-    with torch.no_grad():
-        p.add_(1.0)
-    assert write_state(p)[0] != state[0] and write_state(p)[1] == state[1]
-    state = write_state(p)
-    p.data = p.data.clone()  # equal bytes, a new storage
-    assert write_state(p)[1] != state[1]
-    state = write_state(p)
-    p.data.add_(1.0)  # the residual: a .data in-place write
-    assert write_state(p) == state

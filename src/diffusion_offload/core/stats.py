@@ -35,10 +35,6 @@ class TransferStats:
         device_checks: write checks decided on the device when weights left it: one
             comparison read back (a host wait) each, plus per-member read-backs when it
             differs.
-        host_checks: layer mode: carried blocks checked on the host as a stage call ends
-            (version counters and storage identity, no device op, no read-back): a block
-            its own call wrote in place is released then; the rest are compared on the
-            device when the next call starts.
         prefetches: layer mode: block loads issued ahead of use on the copy stream.
         fallback_loads: layer mode: blocks that ran without having been prefetched (the
             model skipped or repeated a block, or the first block of a first call) and
@@ -66,7 +62,6 @@ class TransferStats:
     fingerprints: int = 0
     check_d2h_bytes: int = 0
     device_checks: int = 0
-    host_checks: int = 0
     prefetches: int = 0
     fallback_loads: int = 0
     wasted_prefetches: int = 0

@@ -30,10 +30,9 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   the block's compute was queued and the next block's copy was queued on the copy
   stream, so the copy engine stays busy; what it costs is the host's lead over the
   device (the next block's kernels are queued once this one finished). The carried
-  block, which sits on the device across a call's boundary, is checked on the host as
-  the call ends (``writes.write_state``: a block its own call wrote in place is released
-  at once) and on the device when the next stage call starts: unchanged, it counts as
-  loaded in that call; changed, it is written back and released. Dropping a prefetch
+  block, which sits on the device across a call's boundary where the caller's code may
+  write it, is checked on the device when the next stage call starts: unchanged, it
+  counts as loaded in that call; changed, it is written back and released. Dropping a prefetch
   that guessed wrong is a release like any other. ``check_writes=False`` skips every
   check, for inference that writes no weight.
 
@@ -62,7 +61,6 @@ import torch
 from .platform import Platform
 from .residency import ComponentWeights
 from .transfer import Member, Mover, Transaction, record_on
-from .writes import write_state
 
 __all__ = ["BlockStreamer", "CallKey", "StreamedBlock"]
 
@@ -73,8 +71,7 @@ class StreamedBlock:
     """One streamed block: its weights, its place in its component, its device state."""
 
     __slots__ = (
-        "component", "index", "name", "weights", "event", "on_device", "epoch", "seen",
-        "sealed", "__weakref__",
+        "component", "index", "name", "weights", "event", "on_device", "carried", "__weakref__",
     )
 
     def __init__(self, component: str, index: int, name: str, weights: ComponentWeights) -> None:
@@ -84,9 +81,7 @@ class StreamedBlock:
         self.weights = weights
         self.event: Any = None  # recorded on the copy stream after the load
         self.on_device = False
-        self.epoch = -1  # the streamer's epoch when the block was loaded
-        self.seen: dict[int, tuple[int, int]] = {}  # id(member) -> write_state at load
-        self.sealed = False  # host-checked clean as it crossed a call boundary
+        self.carried = False  # on the device across a stage call's boundary, not yet verified
 
     @property
     def nbytes(self) -> int:
@@ -187,7 +182,6 @@ class BlockStreamer:
         self._trace: dict[str, list[StreamedBlock]] = {}  # blocks run so far by each running call
         self._synchronous = 0  # > 0 during an out-of-memory retry: no prefetch
         self._last_block: StreamedBlock | None = None  # the block loaded or begun last (OOM messages)
-        self._epoch = 0  # + 1 at every stage call's start: no code of the caller ran within one
         self.max_on_device = 0  # high-water mark of streamed blocks on the device
         #: called as ``listener(event, block, start, end)`` (perf_counter seconds, host
         #: time) for every block ``"load"`` (synchronous), ``"prefetch"`` (queued on the
@@ -259,7 +253,6 @@ class BlockStreamer:
             if retry:
                 key = self._call if self._call is not None else (component, 1)
             else:
-                self._epoch += 1
                 self._verify_carried()
                 key = self._key(component)
                 if self._call is not None and len(self.successor) < _MAX_SUCCESSORS:
@@ -313,39 +306,18 @@ class BlockStreamer:
                 self._sweep(keep=self.prefetched)
             if self.prefetched is not None:
                 self._wait(self.prefetched)  # later work on this stream follows the copy
-                if not self.stack:
-                    self._seal(self.prefetched)
-
-    def _seal(self, block: StreamedBlock) -> None:
-        """The carried block is about to sit on the device across a call's boundary, where
-        the caller's code may write it: check on the host that its own call did not write
-        it (a block kept to run again), so that its device bytes equal its host copy as
-        the call ends (no device op, no host wait); a block written, or one the host
-        cannot judge, is released instead (written back)."""
-        if not self.check_writes or block.sealed:
-            return
-        comp = block.weights
-        members = [m for s in comp.slots if s.evictable and s.on_device(self.device) for m in s.members]
-        clean = self._host_changed(block, members)
-        self.stats.host_checks += 1
-        if clean is None or any(clean):
-            self.prefetched = None
-            try:
-                self._release(block)
-            except BaseException:
-                self.prefetched = block
-                raise
-            return
-        block.sealed = True
+                if not self.stack and self.check_writes:
+                    self.prefetched.carried = True  # the caller's code may write it meanwhile
 
     def _verify_carried(self) -> None:
         """A new stage call starts: compare the carried block with its host copy (the
         arena's sums computed on the device, read back: one host wait, against the same
         sums of the host copy, ``checks.changed``). Unchanged, it counts as loaded in this
-        call (its later release is checked on the host); changed, it is released now (what
-        changed is written back) and loaded again when needed."""
+        call; changed (the caller's code wrote it, or reassigned a ``.data``), it is
+        released now (what changed is written back) and loaded again when needed, which
+        also follows a reassignment (``ComponentWeights.sync``)."""
         block = self.prefetched
-        if block is None or not block.sealed or not block.on_device:
+        if block is None or not block.carried or not block.on_device:
             return
         comp = block.weights
         slots = [s for s in comp.slots if s.evictable and s.on_device(self.device)]
@@ -360,9 +332,7 @@ class BlockStreamer:
                 self.prefetched = block
                 raise
             return
-        block.sealed = False
-        block.epoch = self._epoch
-        block.seen = {id(m): write_state(m.payload) for s in slots for m in s.members}
+        block.carried = False
 
     def _repredict(self, component: str) -> None:
         """At the end of a call, with what it ran known: a prefetch that guessed wrong (the
@@ -666,15 +636,9 @@ class BlockStreamer:
             self._abort(txn, stream)
             raise
         txn.commit()
-        block.sealed = False
+        block.carried = False
         block.event = event
         block.on_device = True
-        if self.check_writes:
-            block.epoch = self._epoch
-            block.seen = {
-                id(m): write_state(m.payload) for slot in comp.slots for m in slot.members
-                if slot.on_device(self.device)
-            }
         comp.resident = True
         if moved:
             comp._count("load", start)
@@ -691,34 +655,12 @@ class BlockStreamer:
         read back in one copy, one host wait, compared with its host copy's). The host
         cannot judge a block that ran: an in-place op on ``p.data`` inside its forward or
         a hook (``m.bias.data.add_(1)``) changes neither its version counter nor its
-        storage (``writes.write_state``)."""
+        storage."""
         if not members or not self.check_writes:
             return [False] * len(members)
         waited = time.perf_counter()
         changed = block.weights.changed(slots)
         self._emit("host wait", block, waited)
-        return changed
-
-    def _host_changed(self, block: StreamedBlock, members: list[Member]) -> list[bool] | None:
-        """Per member, whether it was written in place since the block loaded, judged on
-        the host (``write_state``: version counter, storage identity), or None when the
-        device must judge: the block sat on the device across a stage call's boundary
-        (the carried prefetch, a block kept between calls: the caller's code may have
-        written ``p.data`` in place meanwhile), or a member's ``.data`` was reassigned
-        (layerwise casting puts back equal bytes on every forward: the device fingerprint
-        tells whether they differ), or a member joined after the load."""
-        if block.epoch != self._epoch:
-            return None
-        seen = block.seen
-        changed = []
-        for m in members:
-            before = seen.get(id(m))
-            if before is None:
-                return None
-            version, storage = write_state(m.payload)
-            if storage != before[1]:
-                return None
-            changed.append(version != before[0])
         return changed
 
     def _release(self, block: StreamedBlock, known: list[bool] | None = None) -> None:
@@ -744,10 +686,9 @@ class BlockStreamer:
             txn.rollback()
             raise
         txn.commit()  # the device copies are freed here
-        block.sealed = False
+        block.carried = False
         block.event = None
         block.on_device = False
-        block.seen = {}
         comp.resident = False
         if slots:
             comp._count("evict", start)

@@ -1,10 +1,10 @@
-"""How a write to a weight is detected: fingerprints of its bytes, and its host-visible
-write state.
+"""How a write to a weight is detected: fingerprints of its bytes.
 
 ``fingerprint`` / ``fingerprints`` hash a tensor's bytes where the tensor lives (64 bits,
 no host synchronisation): module mode compares them at eviction with the ones taken at
-load, layer mode with the host copies' own. ``write_state`` is what the host sees without
-touching the device: the version counter and the storage identity.
+load, layer mode with the host copies' own. The host alone cannot see every write: an
+in-place op on ``p.data`` (a detached alias with its own version counter) changes neither
+``p._version`` nor its storage, so every check compares bytes.
 """
 
 from __future__ import annotations
@@ -13,21 +13,7 @@ import math
 
 import torch
 
-__all__ = ["block_fingerprint", "fingerprint", "fingerprints", "write_state"]
-
-
-def write_state(t: torch.Tensor) -> tuple[int, int]:
-    """What the host can see of writes to ``t`` (a payload: a tensor, or a DTensor's local
-    shard): ``(version, storage identity)``.
-
-    The version counter (``t._version``) grows with every in-place op on ``t`` (also under
-    ``no_grad``); the storage identity (the address of the payload's ``StorageImpl``,
-    ``untyped_storage()._cdata``) changes when ``t.data`` is reassigned, even to equal
-    bytes. Neither changes for an in-place op on ``t.data`` (``p.data.add_(x)``: a
-    detached alias has its own version counter), the one write the host cannot see.
-    Reads neither device memory nor the device's queue: a pure host check.
-    """
-    return t._version, t.untyped_storage()._cdata
+__all__ = ["block_fingerprint", "fingerprint", "fingerprints"]
 
 
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
