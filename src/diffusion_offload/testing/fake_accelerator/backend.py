@@ -1,6 +1,7 @@
 """The ``torch.fakegpu`` backend module and ``install()``, which registers the device
-with PyTorch (PrivateUse1 renamed ``fakegpu``), its kernels, the ``.data`` property and
-the host-side checks of ``Tensor.__repr__``/``tolist``.
+with PyTorch (PrivateUse1 renamed ``fakegpu``), its kernels, the ``.data`` property,
+the host-side checks of ``Tensor.__repr__``/``tolist`` and the ``torch.accelerator``
+answers of ``accelerator.py``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,14 @@ from typing import Any
 
 import torch
 
-from . import autocast
-from .counters import _counters, reset_peak, stats
+from . import accelerator, autocast
+from .counters import (
+    _counters,
+    memory_stats_nested,
+    reset_accumulated_memory_stats,
+    reset_peak,
+    stats,
+)
 from .data import _data_get, _data_set
 from .device import storage_key
 from .host_races import _ensure_host_mode, _host_repr, _host_tolist, _unpin
@@ -38,8 +45,6 @@ from .streams import (
     synchronize,
 )
 
-# What ``torch.fakegpu.mem_get_info`` reports as total memory when no capacity is set.
-_UNLIMITED_TOTAL = 1 << 50
 _libs: list[torch.library.Library] = []  # keep registrations alive
 
 
@@ -102,21 +107,56 @@ class _BackendModule:
 
     @staticmethod
     def memory_allocated(device: Any = None) -> int:
+        """Bytes of live device storages (``stats()["allocated_bytes"]``)."""
         return stats()["allocated_bytes"]
 
     @staticmethod
     def max_memory_allocated(device: Any = None) -> int:
+        """Peak of ``memory_allocated()`` since the last reset (``stats()["peak_bytes"]``)."""
         return stats()["peak_bytes"]
 
     @staticmethod
+    def memory_reserved(device: Any = None) -> int:
+        """Bytes held by the allocator: ``memory_allocated()`` (the fake caches nothing)."""
+        return stats()["allocated_bytes"]
+
+    @staticmethod
+    def max_memory_reserved(device: Any = None) -> int:
+        """Peak of ``memory_reserved()``: ``max_memory_allocated()``."""
+        return stats()["peak_bytes"]
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, Any]:
+        """``torch.cuda.memory_stats``-style flat statistics (``"allocated_bytes.all.current"``
+        ...), sorted by key; ``counters.memory_stats_nested`` documents them."""
+        flat: list[tuple[str, Any]] = []
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                flat.append((prefix, value))
+
+        walk("", memory_stats_nested())
+        return dict(sorted(flat))
+
+    @staticmethod
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        s = stats()
-        total = s["capacity"] if s["capacity"] >= 0 else _UNLIMITED_TOTAL
-        return max(total - s["allocated_bytes"], 0), total
+        """``(free, total)`` device bytes (``accelerator.memory_info``)."""
+        return accelerator.memory_info()
 
     @staticmethod
     def reset_peak_memory_stats(device: Any = None) -> None:
         reset_peak()
+
+    @staticmethod
+    def reset_max_memory_allocated(device: Any = None) -> None:
+        reset_peak()
+
+    @staticmethod
+    def reset_accumulated_memory_stats(device: Any = None) -> None:
+        reset_accumulated_memory_stats()
 
     @staticmethod
     def empty_cache() -> None:
@@ -186,6 +226,7 @@ def install() -> torch.device:
         torch.Tensor.data = property(_data_get, _data_set)  # type: ignore[assignment]
         torch.Tensor.__repr__ = _host_repr  # type: ignore[method-assign]
         torch.Tensor.tolist = _host_tolist  # type: ignore[method-assign]
+        accelerator.patch()
         state.installed = True
         _ensure_host_mode()  # at the bottom of this thread's mode stack, for good
         return state.device

@@ -15,7 +15,16 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .counters import _count_copy, _count_host_wait, _count_op, _counters, _reserve
+from .counters import (
+    _check_capacity,
+    _count_copy,
+    _count_host_wait,
+    _count_op,
+    _counters,
+    _release,
+    _reserve,
+    _resize,
+)
 from .host_races import (
     _after_transfer,
     _blocking_device_read,
@@ -51,7 +60,7 @@ def _release_storage(key: int) -> None:
         entry[0] -= 1
         if entry[0] == 0:
             del _counters.storages[key]
-            _counters.allocated_bytes -= entry[1]
+            _release(entry)
             if _tracked:
                 st = _tracked.pop(key, None)
                 if st is not None:
@@ -71,8 +80,8 @@ def _track(inner: torch.Tensor) -> None:
     with _lock:
         entry = _counters.storages.get(key)
         if entry is None:
-            _reserve(storage.nbytes())
-            _counters.storages[key] = [1, storage.nbytes()]
+            pool = _reserve(storage.nbytes())
+            _counters.storages[key] = [1, storage.nbytes(), pool]
             if state.model_on:
                 _note_allocation(key, inner)
         else:
@@ -94,11 +103,10 @@ def _regrow(inner: torch.Tensor, before: int) -> None:
         if entry is None or storage.nbytes() == entry[1]:
             return
         try:
-            _reserve(storage.nbytes() - entry[1])
+            _resize(entry, storage.nbytes())
         except torch.OutOfMemoryError:
             storage.resize_(before)
             raise
-        entry[1] = storage.nbytes()
 
 
 class FakeDeviceTensor(torch.Tensor):
@@ -418,13 +426,7 @@ def _dispatch_mutating(func, args, kwargs, flat):
         grow = needed - before[id(self)]
         if grow > 0:
             with _lock:
-                capacity = _counters.capacity
-                if capacity is not None and _counters.allocated_bytes + grow > capacity:
-                    raise torch.OutOfMemoryError(
-                        f"fakegpu out of memory: tried to allocate {grow} bytes with "
-                        f"{_counters.allocated_bytes} bytes allocated and a capacity of "
-                        f"{capacity} bytes"
-                    )
+                _check_capacity(grow)
     out = func(*pytree.tree_map(_unwrap, args), **pytree.tree_map(_unwrap, kwargs))
     for x in fakes:
         inner = x._inner

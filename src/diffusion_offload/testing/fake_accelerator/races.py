@@ -205,22 +205,43 @@ def _note_kernel_write(out: torch.Tensor, op: str) -> None:
 
 
 def _check_free(st: _StorageUse) -> None:
-    """Record a race if a storage is freed before its uses on other streams are ordered
-    before its allocation stream's later work (lock held; raised later: frees happen in
-    finalizers, where an exception cannot propagate)."""
+    """Record a race if a storage is freed while a use on another stream may still run
+    (lock held; raised later: frees happen in finalizers, where an exception cannot
+    propagate).
+
+    A use on stream ``u`` (seq ``n``) is safe at the free, as with CUDA's caching
+    allocator, when any of these holds: ``u`` is the allocation stream; the allocation
+    stream is ordered after it (its clock covers ``u`` up to ``n``); the host knows it
+    complete (a synchronize); ``u`` was given to ``tensor.record_stream``; or a stream
+    given to ``record_stream`` is ordered after it (that stream's clock covers ``u`` up
+    to ``n`` now). The caching allocator records an event on every recorded stream at
+    the free and reuses the block only when those events complete, and such an event
+    completes only after everything its stream waited on, the use included.
+    """
     alloc = state.streams.get(st.alloc)
     clock = alloc._clock if alloc is not None else {}
     for u, (seq, op) in st.uses.items():
         if u == st.alloc or u in st.recorded:
             continue
-        if seq > max(clock.get(u, 0), _done.get(u, 0)):
-            _counters.races_detected += 1
-            state.deferred.append(
-                f"fakegpu race: a tensor of shape {st.shape}, dtype {st.dtype}, allocated on "
-                f"{_sname(st.alloc)} was freed while {op} on {_sname(u)} (seq {seq}) may "
-                f"still be using it: {_sname(st.alloc)} had not waited on {_sname(u)} past "
-                f"that use (wait_event/wait_stream), no synchronize covered it, and "
-                f"tensor.record_stream() was not called with {_sname(u)} (found at the "
-                f"free, raised at the next fakegpu call)"
-            )
-            return
+        if seq <= max(clock.get(u, 0), _done.get(u, 0)):
+            continue
+        if any(_covers(r, u, seq) for r in st.recorded):
+            continue
+        _counters.races_detected += 1
+        state.deferred.append(
+            f"fakegpu race: a tensor of shape {st.shape}, dtype {st.dtype}, allocated on "
+            f"{_sname(st.alloc)} was freed while {op} on {_sname(u)} (seq {seq}) may "
+            f"still be using it: {_sname(st.alloc)} had not waited on {_sname(u)} past "
+            f"that use (wait_event/wait_stream), no synchronize covered it, and "
+            f"tensor.record_stream() was called neither with {_sname(u)} nor with a "
+            f"stream that had waited on it past that use (found at the free, raised at "
+            f"the next fakegpu call)"
+        )
+        return
+
+
+def _covers(r: int, u: int, seq: int) -> bool:
+    """Whether stream ``r``'s work queued so far is ordered after seq ``seq`` of stream
+    ``u`` (lock held)."""
+    stream = state.streams.get(r)
+    return stream is not None and stream._clock.get(u, 0) >= seq
