@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "DEFAULT_TRUE_CFG_SCALE", "ENGINE_SET", "MAX_FLOAT", "MAX_INT", "MAX_STRING", "Knob",
-    "KnobError", "check_knob", "knob_table", "refusal",
+    "DEFAULT_TRUE_CFG_SCALE", "ENGINE_SET", "MAX_FLOAT", "MAX_INT", "MAX_STRING", "STEP_WORDS",
+    "Knob", "KnobError", "check_knob", "is_steps_knob", "knob_table", "refusal",
 ]
 
 MAX_FLOAT = 1000.0
@@ -35,6 +35,13 @@ MAX_STRING = 32_000
 """Longest string knob, in characters (``prompt_2``: a prompt, as OpenAI allows)."""
 UNIT_INTERVAL = frozenset({"strength", "boundary_ratio", "eta"})
 """Knobs that are fractions: 0 to 1."""
+STEP_WORDS = frozenset({"step", "steps", "iter", "iters", "iterations"})
+"""An integer knob with one of these words in its name (split at ``_``) counts denoising
+steps or iterations (``prior_num_inference_steps`` of Stable Cascade and the Kandinsky
+combined pipelines, ``decoder_num_inference_steps``, ``original_inference_steps``,
+``max_iter_to_alter``...): it obeys the server's ``--max-steps`` like
+``num_inference_steps``."""
+
 DEFAULT_TRUE_CFG_SCALE = 4.0
 """``true_cfg_scale`` given to a pipeline whose negative prompt needs ``true_cfg_scale > 1``
 (FLUX, Qwen-Image) when a request has a negative prompt and leaves it unset."""
@@ -86,6 +93,12 @@ class Knob:
         """The type as a message says it: ``"a number"``, ``"a list of numbers"``."""
         word = {"float": "number", "int": "integer", "bool": "boolean", "str": "string"}[self.kind]
         return f"a list of {word}s" if self.is_list else f"{'an' if word[0] in 'ai' else 'a'} {word}"
+
+
+def is_steps_knob(knob: Knob) -> bool:
+    """Whether ``knob`` counts steps (:data:`STEP_WORDS`): an integer, or a list of
+    integers, whose name has a step word."""
+    return knob.kind == "int" and bool(STEP_WORDS & set(knob.name.lower().split("_")))
 
 
 def _members(annotation: Any) -> list[Any]:
@@ -173,7 +186,7 @@ def _parse_text(knob: Knob, text: str) -> Any:
     return text
 
 
-def _check_item(knob: Knob, field: str, value: Any) -> Any:
+def _check_item(knob: Knob, field: str, value: Any, max_steps: int | None = None) -> Any:
     kind = knob.kind
     if kind == "bool":
         if not isinstance(value, bool):
@@ -191,13 +204,16 @@ def _check_item(knob: Knob, field: str, value: Any) -> Any:
         word = "an integer" if kind == "int" else "a number"
         raise KnobError(field, f"Invalid type for '{field}': expected {word}, got {value!r}.")
     top = 1.0 if knob.name in UNIT_INTERVAL else (MAX_INT if kind == "int" else MAX_FLOAT)
+    if max_steps is not None and is_steps_knob(knob) and value > max_steps:
+        raise KnobError(field, f"Invalid value for '{field}': {value} is over this server's limit "
+                               f"of {max_steps} (--max-steps).")
     if not math.isfinite(value) or not 0 <= value <= top:
         raise KnobError(field, f"Invalid value for '{field}': must be from 0 to {top:g}, got {value!r}.")
     return float(value) if kind == "float" else value
 
 
 def check_knob(knob: Knob, value: Any, *, field: str | None = None, text: bool = False,
-               max_items: int = 101) -> Any:
+               max_items: int = 101, max_steps: int | None = None) -> Any:
     """``value`` checked (and, from text, parsed) as ``knob`` takes it.
 
     Args:
@@ -208,13 +224,18 @@ def check_knob(knob: Knob, value: Any, *, field: str | None = None, text: bool =
             first (``"4"`` -> 4.0; lists as JSON text).
         max_items: the most items of a list value (``sigmas``: the steps, so the server
             passes ``--max-steps + 1``).
+        max_steps: the most a steps knob (:func:`is_steps_knob`) may be, each item of a
+            list of them, and the sum of a list of inference steps
+            (``pyramid_num_inference_steps_list``): the server's ``--max-steps``; None
+            leaves them at :data:`MAX_INT`.
 
     Returns:
         The value for ``__call__`` (ints given for a float knob become floats).
 
     Raises:
-        KnobError: the wrong type, out of range, or a list over ``max_items`` (the
-            message names the field, the value and what is allowed).
+        KnobError: the wrong type, out of range, a steps knob over ``max_steps``, or a
+            list over ``max_items`` (the message names the field, the value and what is
+            allowed).
     """
     field = field or knob.name
     if text and isinstance(value, str):
@@ -225,5 +246,10 @@ def check_knob(knob: Knob, value: Any, *, field: str | None = None, text: bool =
         if not 1 <= len(value) <= max_items:
             raise KnobError(field, f"Invalid value for '{field}': a list of 1 to {max_items} items, "
                                    f"got {len(value)}.")
-        return [_check_item(knob, field, item) for item in value]
-    return _check_item(knob, field, value)
+        items = [_check_item(knob, field, item, max_steps) for item in value]
+        if max_steps is not None and is_steps_knob(knob) and "inference" in knob.name \
+                and sum(items) > max_steps:
+            raise KnobError(field, f"Invalid value for '{field}': its steps add up to {sum(items)}, "
+                                   f"over this server's limit of {max_steps} (--max-steps).")
+        return items
+    return _check_item(knob, field, value, max_steps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,9 @@ from typing import Any
 from .knobs import DEFAULT_TRUE_CFG_SCALE, Knob, KnobError, check_knob, refusal
 from .params import SamplingParams
 
-__all__ = ["PromptItem", "call_kwargs", "check_request", "normalize_prompts", "request_overrides",
+logger = logging.getLogger("diffusion_offload.engine")
+
+__all__ = ["PromptItem", "call_kwargs", "check_arguments", "check_request", "normalize_prompts", "request_overrides",
            "shift_key", "variant_for"]
 
 _NAMED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale",
@@ -211,30 +214,90 @@ class _ConfigView:
         return getattr(self._pipeline, name)
 
 
-def check_request(pipeline: Any, own_config: Mapping[str, Any], item: PromptItem,
-                  kwargs: Mapping[str, Any], params: SamplingParams) -> None:
-    """Run the pipeline's own ``check_inputs`` on this request, without running it.
+def _default_size(pipeline: Any) -> int | None:
+    """The side ``__call__`` gives an omitted ``height``/``width`` before it runs
+    ``check_inputs`` (``default_sample_size * vae_scale_factor``: FLUX, SD3, Qwen-Image and
+    their image-to-image and inpainting variants), or None when the pipeline has no such rule."""
+    size = getattr(pipeline, "default_sample_size", None)
+    factor = getattr(pipeline, "vae_scale_factor", None)
+    if isinstance(size, int) and isinstance(factor, int) and not isinstance(size, bool):
+        return size * factor
+    return None
 
-    The pipeline is seen with its own config (``own_config``, as loaded) and this
-    request's ``boundary_ratio``, never another request's running override.
 
-    Raises:
-        ValueError: what ``check_inputs`` raises, its message kept.
+def check_arguments(pipeline: Any, item: PromptItem,
+                    kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``check_inputs``' keyword arguments for this request, as ``__call__`` passes them.
+
+    A value the request gives is used as is (``output_type`` is ``"pil"``, as the engine
+    runs every call); one it leaves out takes ``__call__``'s default for that name
+    (``strength=0.6`` of the image-to-image variants), an omitted ``height``/``width``
+    the side ``__call__`` computes (:func:`_default_size`); a required argument still
+    without a value gets None.
+
+    Returns:
+        ``(args, unknown)``: the arguments, and the names of the required ones the request
+        did not give whose value here is None (``__call__`` may derive them first).
     """
-    check = getattr(type(pipeline), "check_inputs", None)
-    if check is None:
-        return
-    values = {"prompt": item.prompt, "negative_prompt": item.negative, **kwargs,
-              **item.images_kwargs()}
+    check = type(pipeline).check_inputs
+    call = inspect.signature(type(pipeline).__call__).parameters
+    values = {"prompt": item.prompt, "negative_prompt": item.negative, "output_type": "pil",
+              **kwargs, **item.images_kwargs()}
     args: dict[str, Any] = {}
+    unknown: list[str] = []
     for name, param in inspect.signature(check).parameters.items():
         if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         if name in values:
             args[name] = values[name]
+            continue
+        default = call[name].default if name in call else inspect.Parameter.empty
+        if default is not inspect.Parameter.empty:
+            args[name] = default
         elif param.default is inspect.Parameter.empty:
-            args[name] = None  # prompt_2, image...: not given
-    check(_ConfigView(pipeline, own_config, params.boundary_ratio), **args)
+            args[name] = None
+        if name in ("height", "width") and args.get(name) is None and name in args:
+            args[name] = _default_size(pipeline)
+        if param.default is inspect.Parameter.empty and args.get(name) is None:
+            unknown.append(name)
+    return args, unknown
+
+
+def check_request(pipeline: Any, own_config: Mapping[str, Any], item: PromptItem,
+                  kwargs: Mapping[str, Any], params: SamplingParams) -> bool:
+    """Run the pipeline's own ``check_inputs`` on this request, without running it.
+
+    The arguments are those ``__call__`` would pass (:func:`check_arguments`). The
+    pipeline is seen with its own config (``own_config``, as loaded) and this request's
+    ``boundary_ratio``, never another request's running override.
+
+    Returns:
+        True when the check ran; False when the pipeline has no ``check_inputs``, or when
+        it failed with something other than a ``ValueError`` on an argument the request
+        left out and ``__call__`` derives (a ``None < 0`` of a value not known here): the
+        pipeline then checks it itself when it runs.
+
+    Raises:
+        ValueError: what ``check_inputs`` raises, its message kept (a refusal).
+        Exception: anything else ``check_inputs`` raises when every argument it needs
+            was known: a fault, not a refusal of the request.
+    """
+    if getattr(type(pipeline), "check_inputs", None) is None:
+        return False
+    args, unknown = check_arguments(pipeline, item, kwargs)
+    view = _ConfigView(pipeline, own_config, params.boundary_ratio)
+    try:
+        type(pipeline).check_inputs(view, **args)
+    except ValueError:
+        raise
+    except Exception as exc:
+        if not unknown:
+            raise
+        logger.debug("%s.check_inputs could not run before the call (%s: %s) with %s not "
+                     "known here; the pipeline checks them when it runs",
+                     type(pipeline).__name__, type(exc).__name__, exc, ", ".join(unknown))
+        return False
+    return True
 
 
 @contextlib.contextmanager

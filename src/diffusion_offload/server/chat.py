@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from .errors import APIError
+from .uploads import MAX_IMAGES, Upload, check_count
 
 __all__ = ["CHAT_IGNORED", "chat_completion", "chat_request"]
 
@@ -35,14 +36,15 @@ def _data_url(url: Any, where: str) -> bytes:
         raise _bad(where, "the data URL is not valid base64") from None
 
 
-def chat_request(body: Any) -> tuple[dict[str, Any], list[bytes]]:
+def chat_request(body: Any, max_images: int = MAX_IMAGES) -> tuple[dict[str, Any], list[Upload]]:
     """``(fields, images)``: the images request the chat body stands for (``prompt`` set
-    from the last user message, the chat-only fields dropped) and the bytes of that
-    message's images.
+    from the last user message, the chat-only fields dropped) and that message's images,
+    each named by its part (``messages[1].content[2]``), not yet decoded.
 
     Raises:
         APIError: 400: not an object, no ``messages`` list, no user message, a message
-            part of an unknown type, an image that is not a data URL, or no text.
+            part of an unknown type, more than ``max_images`` image parts (counted before
+            any is decoded), an image that is not a data URL, or no text.
     """
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_body")
@@ -58,6 +60,8 @@ def chat_request(body: Any) -> tuple[dict[str, Any], list[bytes]]:
     parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(parts, list):
         raise _bad(f"messages[{index}].content", "a string or a list of parts")
+    count = sum(1 for p in parts if isinstance(p, dict) and p.get("type") == "image_url")
+    check_count(f"messages[{index}].content", count, max_images, "image parts")
     texts, images = [], []
     for j, part in enumerate(parts):
         where = f"messages[{index}].content[{j}]"
@@ -66,7 +70,8 @@ def chat_request(body: Any) -> tuple[dict[str, Any], list[bytes]]:
             texts.append(part["text"])
         elif kind == "image_url":
             url = part.get("image_url")
-            images.append(_data_url(url.get("url") if isinstance(url, dict) else url, where))
+            images.append(Upload(where, _data_url(url.get("url") if isinstance(url, dict) else url,
+                                                  where)))
         else:
             raise _bad(where, "a part must be {'type': 'text', 'text': ...} or "
                               "{'type': 'image_url', 'image_url': {'url': 'data:...'}}")

@@ -65,7 +65,8 @@ class Job:
         id: ``video_<hex>`` / ``image_<hex>``.
         status: ``queued``, ``in_progress``, ``completed`` or ``failed``.
         progress: percent done, 0-100 (set by the runner while it runs).
-        error: ``{"code", "message"}`` when failed.
+        error: ``{"code", "message"}`` when failed (and ``"param"`` when the failure
+            names a refused request field).
         result: the runner's return value when completed.
         created_at, started_at, completed_at: Unix times (seconds).
         replica: which replica ran it (``generator-0``...) under Ray Serve; None in a
@@ -308,6 +309,12 @@ class JobManager:
                 self.on_finish(job)
             except Exception:
                 logger.exception("job %s: on_finish failed", job.id)
+        release = getattr(job.payload, "release_inputs", None)  # a kept job keeps no upload
+        if callable(release):
+            try:
+                release()
+            except Exception:
+                logger.exception("job %s: releasing its inputs failed", job.id)
         job._fire()
 
     def _work(self) -> None:
@@ -342,6 +349,9 @@ class JobManager:
                         except Exception:
                             message = "the job failed; the server log has the details"
                         self._fail(job, self.error_code(error), message)
+                        field = getattr(error, "field", None)  # a refused field: the 400's param
+                        if isinstance(field, str) and job.error is not None:
+                            job.error["param"] = field
                         logger.error("job %s failed: %s: %s", job.id, type(error).__name__, error)
                 else:
                     logger.warning("job %s stopped after it was marked failed (%s); its result "

@@ -80,20 +80,6 @@ def _image_input(engine: Any) -> tuple[str | None, str]:
     return getattr(engine, "image_input", None), getattr(engine, "pipeline_class", "this model")
 
 
-def _check_with_engine(engine: Any, prompt: Any, params: Any) -> None:
-    """What the engine (and the pipeline's own ``check_inputs``) would refuse, as a 400
-    now; engines without ``check_request`` (test doubles, Ray's remote one) skip it."""
-    check = getattr(engine, "check_request", None)
-    if check is None:
-        return
-    try:
-        check(prompt, params)
-    except (TypeError, ValueError) as exc:
-        field = getattr(exc, "field", None)
-        message = str(exc) if field else f"Invalid request: the model refused it: {exc}"
-        raise APIError(400, message, param=field, code="invalid_value") from None
-
-
 def _params(state: BaseServerState, req: Any, values: dict[str, Any], text: bool,
             limits: Any = None, **fields: Any) -> Any:
     """``SamplingParams`` of a validated request: its resolved values, knobs (checked
@@ -138,6 +124,19 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _read_form(request: Request, max_files: int, field: str, limit_text: str) -> Any:
+    """The request's form, with Starlette's count of files capped at ``max_files`` (its
+    default is 1,000); more is a 400 naming ``field`` with ``limit_text``."""
+    try:
+        return await request.form(max_files=max_files)
+    except StarletteHTTPException as exc:
+        if "Too many files" not in str(exc.detail):
+            raise
+        raise APIError(400, f"Invalid value for '{field}': the form carries more than "
+                            f"{max_files} files; this server takes {limit_text}.",
+                       param=field, code="invalid_value") from None
 
 
 def _media_type(request: Request) -> str:
@@ -292,7 +291,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         n = req.n or 1
         params = _params(state, req, values, text=text, limits=limits,
                          num_outputs_per_prompt=n)
-        _check_with_engine(engine, prompt, params)
+        await state.check_request(prompt, params)
         fmt = req.output_format or "png"
         as_url = req.response_format == "url"  # kept like a video job, served below
         spec = JobSpec(prompt, params, size=req.size, image_format=fmt,
@@ -345,12 +344,13 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
     async def images_edits(request: Request) -> Any:
         """Edit the uploaded ``image`` (one or more; with a ``mask``, inpaint it): the
         served pipeline's image-to-image or inpainting variant, or an edit model itself."""
-        from .uploads import decode_upload
+        from .uploads import MAX_IMAGES, Upload, check_count, decode_uploads_async
 
         media = _media_type(request)
         if media != _MULTIPART:
             raise _wrong_content_type(media, (_MULTIPART,))
-        form = await request.form()
+        form = await _read_form(request, MAX_IMAGES + 1, "image",
+                                f"at most {MAX_IMAGES} images and one mask per request")
         try:
             fields: dict[str, Any] = {}
             files: dict[str, list[bytes]] = {}
@@ -378,6 +378,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         if not files.get("image"):
             raise APIError(400, "Missing required parameter: 'image'.", param="image",
                            code="missing_required_parameter")
+        check_count("image", len(files["image"]), MAX_IMAGES, "images")
         if len(files.get("mask", [])) > 1:
             raise APIError(400, "Invalid value for 'mask': give one mask.", param="mask",
                            code="invalid_value")
@@ -387,10 +388,11 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         except ValidationError as exc:
             raise validation_error(exc) from None
         state.require_engine()
-        max_pixels = state.limits.max_pixels
-        images = [decode_upload("image", data, max_pixels) for data in files["image"]]
-        mask = files.get("mask")
-        mask_image = decode_upload("mask", mask[0], max_pixels, mode="L") if mask else None
+        uploads = [Upload("image", data) for data in files["image"]]
+        uploads += [Upload("mask", data, "L") for data in files.get("mask", [])]
+        decoded = await decode_uploads_async(uploads, state.limits.max_pixels)
+        images = decoded[:len(files["image"])]
+        mask_image = decoded[-1] if files.get("mask") else None
         if mask_image is not None and mask_image.size != images[0].size:
             raise APIError(400, f"Invalid value for 'mask': it is {mask_image.size[0]}x"
                                 f"{mask_image.size[1]}, the image {images[0].size[0]}x"
@@ -404,7 +406,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         """vLLM-Omni's text-to-image chat: the last user message is the prompt (an image
         part makes it an edit); the knobs come in the body (the SDK's ``extra_body``)."""
         from .chat import chat_completion, chat_request
-        from .uploads import decode_upload
+        from .uploads import decode_uploads_async
 
         media = _media_type(request)
         if media != _JSON:
@@ -422,7 +424,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         state.require_engine()
         prompt, limits = _prompt_item(req), state.limits
         if uploads:
-            images = [decode_upload("image", data, state.limits.max_pixels) for data in uploads]
+            images = await decode_uploads_async(uploads, state.limits.max_pixels)
             req, prompt, limits = await edit_prompt(req, images, None)
 
         def answer(images: list[bytes], fmt: str, headers: dict[str, str]) -> Any:
@@ -467,7 +469,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             if media == _JSON:
                 req = VideoGenerationRequest.model_validate_json(await request.body(), strict=True)
             elif is_form:
-                form = await request.form()
+                form = await _read_form(request, 2, "input_reference", "one image")
                 try:
                     items = list(form.multi_items())
                     refs = [v for k, v in items if k == "input_reference" and not isinstance(v, str)]
@@ -503,7 +505,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                                 f"{_image_input(engine)[1]} makes videos from an image; "
                                 "upload it as 'input_reference' in a multipart form.",
                            param="input_reference", code="missing_required_parameter")
-        _check_with_engine(engine, prompt, params)
+        await state.check_request(prompt, params)
         job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size,
                                    seconds=req.seconds), store=True)
         body = state.video_object(job, status=QUEUED)
@@ -513,7 +515,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
     async def reference_prompt(engine: Any, req: Any, files: list[bytes]) -> dict[str, Any]:
         """The prompt item of an image-to-video request: ``input_reference`` decoded
         (:mod:`.uploads`) for a model whose pipeline takes an ``image``; a 400 otherwise."""
-        from .uploads import decode_upload
+        from .uploads import Upload, decode_uploads_async
 
         if len(files) > 1:
             raise APIError(400, "Invalid value for 'input_reference': give one image.",
@@ -524,7 +526,8 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                                 "text only; an image-to-video model (such as Wan2.2-I2V-A14B, "
                                 "WanImageToVideoPipeline) takes a reference image.",
                            param="input_reference", code="unsupported_parameter")
-        image = decode_upload("input_reference", files[0], state.limits.max_pixels)
+        (image,) = await decode_uploads_async([Upload("input_reference", files[0])],
+                                              state.limits.max_pixels)
         item = {"prompt": req.prompt, "image": image}
         if req.negative_prompt is not None:
             item["negative_prompt"] = req.negative_prompt

@@ -220,7 +220,8 @@ def pipeline_kwargs(req: _Request, limits: "Limits", text: bool = False) -> dict
 
     Each is an argument of the served pipeline's ``__call__`` (``limits.knobs``),
     checked by ``engine.knobs.check_knob``; ``null`` is not given; a list has at most
-    ``--max-steps + 1`` items.
+    ``--max-steps + 1`` items, and every steps knob (``prior_num_inference_steps``...,
+    ``engine.knobs.is_steps_knob``) is at most ``--max-steps``.
 
     Args:
         req: the validated request.
@@ -254,7 +255,7 @@ def pipeline_kwargs(req: _Request, limits: "Limits", text: bool = False) -> dict
                 raise KnobError(where, f"Unrecognized request argument supplied: '{where}'. "
                                        f"This model takes: {', '.join(taken)}.")
             out[name] = check_knob(knobs[name], value, field=where, text=text,
-                                   max_items=limits.max_steps + 1)
+                                   max_items=limits.max_steps + 1, max_steps=limits.max_steps)
         except KnobError as exc:
             code = "unknown_parameter" if str(exc).startswith("Unrecognized") else "invalid_value"
             raise APIError(400, str(exc), param=exc.field, code=code) from None

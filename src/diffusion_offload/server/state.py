@@ -35,9 +35,9 @@ from .metrics import ServerMetrics
 from .schemas import Limits
 
 __all__ = [
-    "DEFAULT_FPS", "SHUTDOWN_SETTLE", "BaseServerState", "JobSpec", "ServerSettings", "ServerState",
-    "check_api_key", "job_failure", "normalize_host", "normalize_origin", "random_seed",
-    "submit_error",
+    "DEFAULT_FPS", "SHUTDOWN_SETTLE", "BaseServerState", "JobSpec", "RequestRefused",
+    "ServerSettings", "ServerState", "check_api_key", "job_failure", "normalize_host",
+    "normalize_origin", "random_seed", "refusal_error", "submit_error",
 ]
 
 logger = logging.getLogger("diffusion_offload.server")
@@ -45,6 +45,30 @@ logger = logging.getLogger("diffusion_offload.server")
 
 class ClientGone(Exception):
     """The client disconnected while its request waited; nothing is sent back."""
+
+
+class RequestRefused(ValueError):
+    """The engine refused a request (``Omni.check_request``'s ``ValueError``), in the
+    words the client gets: ``message``, ``field`` (the 400's ``param``, or None).
+
+    Raised by :meth:`ServerState.execute` before it generates, so a job that a generator
+    replica refuses (``serve --ray``, whose ingress has no pipeline to check with) fails
+    with the 400 the single-process server answers when the request arrives."""
+
+    error_code = "invalid_value"
+
+    def __init__(self, exc: ValueError) -> None:
+        self.field: str | None = getattr(exc, "field", None)
+        self.message = str(exc) if self.field else f"Invalid request: the model refused it: {exc}"
+        super().__init__(self.message)
+
+
+def refusal_error(exc: ValueError) -> APIError:
+    """The 400 of a request the engine refused (``exc`` from ``check_request``): a
+    ``KnobError``'s own message and field, else ``"Invalid request: the model refused
+    it: ..."`` with the pipeline's message."""
+    refused = exc if isinstance(exc, RequestRefused) else RequestRefused(exc)
+    return APIError(400, refused.message, param=refused.field, code=RequestRefused.error_code)
 
 _MAX_SEED = 2**31 - 1
 DEFAULT_FPS = 16
@@ -244,6 +268,13 @@ class JobSpec:
     image_format: str = "png"
     compression: int | None = None
 
+    def release_inputs(self) -> None:
+        """Drop the prompt's decoded images (``image``, ``mask``: an edit's or an
+        ``input_reference``), keeping its text; called once the job has finished, so a
+        kept job does not hold them for ``--job-ttl``."""
+        if isinstance(self.prompt, dict) and ("image" in self.prompt or "mask" in self.prompt):
+            self.prompt = {k: v for k, v in self.prompt.items() if k not in ("image", "mask")}
+
 
 def job_error_code(exc: BaseException) -> str:
     """The ``error.code`` of a job failed with ``exc``."""
@@ -252,7 +283,7 @@ def job_error_code(exc: BaseException) -> str:
         return code
     if type(exc).__name__ == "OutOfMemoryError":
         return "out_of_memory"
-    if isinstance(exc, (ValueError, TypeError)):
+    if isinstance(exc, ValueError):  # a TypeError inside the pipeline is a fault: a 500
         return "invalid_request"
     return "generation_failed"
 
@@ -270,6 +301,8 @@ def describe_request(job: Job) -> str:
 def job_error_message(job: Job, exc: BaseException) -> str:
     """A failed job's error for the client: what failed, in the request's terms; the
     exception itself goes only to the server log."""
+    if isinstance(exc, RequestRefused):  # checked before generating: the refusal itself
+        return exc.message
     what = describe_request(job)
     code = job_error_code(exc)
     if code == "out_of_memory":
@@ -286,6 +319,7 @@ def job_error_message(job: Job, exc: BaseException) -> str:
 
 _FAILURE_STATUS = {
     "invalid_request": 400,
+    RequestRefused.error_code: 400,
     "server_shutdown": 503,
     "cancelled": 503,
     "replica_failed": 503,
@@ -293,12 +327,14 @@ _FAILURE_STATUS = {
 
 
 def job_failure(job: Job) -> APIError:
-    """The HTTP error of a failed job: 400 for invalid parameters, 503 when cut short by
-    shutdown, cancelled, or lost with its replica (twice), else 500."""
+    """The HTTP error of a failed job: 400 for invalid parameters (with the refused
+    field as ``param`` when the job's error names one), 503 when cut short by shutdown,
+    cancelled, or lost with its replica (twice), else 500."""
     error = job.error or {"code": "generation_failed", "message": "the job failed"}
     status = _FAILURE_STATUS.get(error["code"], 500)
     headers = {"Retry-After": "5"} if error["code"] == "replica_failed" else None
-    return APIError(status, error["message"], code=error["code"], headers=headers)
+    return APIError(status, error["message"], code=error["code"], param=error.get("param"),
+                    headers=headers)
 
 
 def submit_error(exc: BaseException) -> APIError:
@@ -387,6 +423,24 @@ class BaseServerState:
         return self.metrics.render()
 
     # ------------------------------------------------------------------ jobs
+
+    async def check_request(self, prompt: Any, params: Any) -> None:
+        """What the engine (and the pipeline's own ``check_inputs``) would refuse, as a 400
+        now, run off the event loop; engines without ``check_request`` (test doubles, the
+        ingress's description of a remote model) skip it, and their jobs are checked by
+        :meth:`ServerState.execute` where the model runs, with the same answer.
+
+        Raises:
+            APIError: 400 (:func:`refusal_error`) for the engine's ``ValueError``; any other
+                exception propagates (a fault: the generic 500 with a request id, logged).
+        """
+        check = getattr(self.engine, "check_request", None)
+        if check is None:
+            return
+        try:
+            await asyncio.to_thread(check, prompt, params)
+        except ValueError as exc:
+            raise refusal_error(exc) from None
 
     async def submit_job(self, job: Job) -> None:
         """Queue a video job (kept until it expires).
@@ -664,6 +718,9 @@ class ServerState(BaseServerState):
             bytes (video jobs).
 
         Raises:
+            RequestRefused: the engine's ``check_request`` refused it (checked first, so a
+                generator replica refuses what the single-process server refuses on
+                arrival, with the same message and field).
             JobAbandoned: the job stopped being in progress (shutdown grace) mid-run.
             Whatever the engine raises.
         """
@@ -672,6 +729,12 @@ class ServerState(BaseServerState):
         spec: JobSpec = job.payload
         engine = self.engine
         outputs = spec.params.num_outputs_per_prompt or 1
+        check = getattr(engine, "check_request", None)
+        if check is not None:
+            try:
+                check(spec.prompt, spec.params)
+            except ValueError as exc:
+                raise RequestRefused(exc) from None
 
         def report(percent: float) -> None:  # called after every denoising step
             if job.status != IN_PROGRESS:  # marked failed by the shutdown grace: stop now
