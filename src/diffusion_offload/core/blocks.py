@@ -8,10 +8,17 @@ or ``nn.Sequential``). The containers are found, in this order of precedence:
    by the component's class (dotted paths allowed);
 3. the built-in table ``BUILTIN_BLOCK_ATTRS`` below, matched by class name along the MRO,
    so subclasses match too;
-4. discovery (``discovered_block_attrs``): for a UNet (``down_blocks`` and ``up_blocks``
-   containers) its down blocks, mid block and up blocks; otherwise the outermost
-   ``nn.ModuleList`` / ``nn.Sequential`` containers whose children (two or more) repeat one
-   class, each holding at least 5 % of the component's bytes and together more than half.
+4. discovery by structure (``discovered_block_attrs``): for a UNet (``down_blocks`` and
+   ``up_blocks`` containers) its down blocks, mid block and up blocks; for a model that
+   embeds tokens (every transformers text encoder: CausalLM and conditional-generation
+   wrappers, vision-language models, T5, CLIP, Kandinsky's ``MultilingualCLIP``...) the
+   repeated containers of the nearest module above its token table (``model.layers``,
+   ``model.language_model.layers``; a vision tower stays in the trunk); otherwise the
+   outermost ``nn.ModuleList`` / ``nn.Sequential`` containers whose children repeat one
+   class (or hold one composite block), each holding at least 5 % of the component's
+   depth bytes and together more than half. Depth bytes leave out token tables and
+   non-persistent buffers, which do not grow with the number of blocks (a tiny model of a
+   large vocabulary keeps most of its bytes in its token table).
    Their order is definition order: a model that runs them otherwise gets each
    out-of-order block loaded synchronously on its first call (``stats.fallback_loads``,
    never a wrong result), and an info log line names the discovered containers.
@@ -53,6 +60,7 @@ __all__ = [
     "block_attrs",
     "discover_blocks",
     "discovered_block_attrs",
+    "token_embedding_path",
 ]
 
 logger = logging.getLogger(__name__)
@@ -193,41 +201,142 @@ def _bytes(module: nn.Module) -> int:
     return total
 
 
+def _depth_bytes(module: nn.Module, vocab: int | None = None) -> int:
+    """Bytes of ``module`` that grow with its depth: its parameters and persistent buffers,
+    less the tables of its ``nn.Embedding`` s (a token table's size is set by the
+    vocabulary, not by the blocks: a tiny model of a 150k-token vocabulary holds most of
+    its bytes there), the ``nn.Linear`` s onto a ``vocab`` of that many tokens (an LM
+    head) and the non-persistent buffers (attention masks, RoPE caches); each tensor
+    counted once."""
+    seen: set[int] = set()
+    for sub in module.modules():
+        if isinstance(sub, nn.Embedding) or (
+            vocab is not None and isinstance(sub, nn.Linear) and sub.out_features == vocab
+        ):
+            seen.update(id(t) for t in sub.parameters(recurse=False))
+    total = 0
+    for sub in module.modules():
+        tensors = [t for t in sub._parameters.values() if t is not None]
+        tensors += [
+            b for n, b in sub._buffers.items() if b is not None and n not in sub._non_persistent_buffers_set
+        ]
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
 def _repeats_one_class(module: nn.Module) -> bool:
+    """An ``nn.ModuleList`` / ``nn.Sequential`` of two or more children of one class, or
+    of one child that is itself built of modules (a one-layer model's only block; a lone
+    ``nn.Linear`` is a layer of its parent, not a block)."""
     children = list(module.children())
-    return (
-        isinstance(module, (nn.ModuleList, nn.Sequential))
-        and len(children) >= 2
-        and len({type(c) for c in children}) == 1
-    )
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or not children:
+        return False
+    if len(children) == 1:
+        return next(children[0].children(), None) is not None
+    return len({type(c) for c in children}) == 1
 
 
-def discovered_block_attrs(module: nn.Module) -> tuple[str, ...]:
-    """Block container paths of a ``module`` that no override, class attribute or table
-    entry covers: a UNet's ``("down_blocks", "mid_block", "up_blocks")`` (``mid_block``, a
-    single block, when present); else the outermost containers whose two or more children
-    repeat one class, each with at least 5 % of the module's bytes and together more than
-    half, in definition order; else ``()``."""
-    down, up = getattr(module, "down_blocks", None), getattr(module, "up_blocks", None)
-    if isinstance(down, nn.ModuleList) and isinstance(up, nn.ModuleList):
-        if isinstance(getattr(module, "mid_block", None), nn.Module):
-            return ("down_blocks", "mid_block", "up_blocks")
-        return ("down_blocks", "up_blocks")
-    total = _bytes(module)
+def _repeated_containers(module: nn.Module, vocab: int | None = None) -> list[str]:
+    """The outermost containers of repeated blocks in ``module`` (definition order), each
+    with at least 5 % of its depth bytes (``_depth_bytes``), when together they hold more
+    than half of them; else []."""
+    total = _depth_bytes(module, vocab)
     found: list[tuple[str, int]] = []
 
     def walk(prefix: str, mod: nn.Module) -> None:
         for name, child in mod.named_children():
             if _repeats_one_class(child):
-                found.append((prefix + name, _bytes(child)))
+                found.append((prefix + name, _depth_bytes(child, vocab)))
             else:
                 walk(f"{prefix}{name}.", child)
 
     walk("", module)
     big = [(path, n) for path, n in found if n * 20 >= total]
     if total and sum(n for _, n in big) * 2 > total:
-        return tuple(path for path, _ in big)
-    return ()
+        return [path for path, _ in big]
+    return []
+
+
+def _outside_containers(module: nn.Module) -> dict[int, str]:
+    """id -> dotted path of every submodule of ``module`` that no ``nn.ModuleList`` /
+    ``nn.Sequential`` holds (the first path of a shared one)."""
+    out: dict[int, str] = {}
+
+    def walk(prefix: str, mod: nn.Module) -> None:
+        for name, child in mod.named_children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                continue
+            out.setdefault(id(child), prefix + name)
+            walk(f"{prefix}{name}.", child)
+
+    walk("", module)
+    return out
+
+
+def token_embedding_path(module: nn.Module) -> str | None:
+    """The dotted path of the table that embeds ``module``'s input tokens, or None.
+
+    That is the module ``get_input_embeddings()`` returns (transformers models, and the
+    diffusers text encoders built on them), else the ``nn.Embedding`` with the most rows;
+    in both cases one outside every ``nn.ModuleList`` / ``nn.Sequential`` (a table inside a
+    block, such as T5's relative attention bias, embeds no tokens)."""
+    outside = _outside_containers(module)
+    getter = getattr(module, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            table = getter()
+        except Exception:  # transformers raises NotImplementedError where it cannot tell
+            table = None
+        if isinstance(table, nn.Module) and id(table) in outside:
+            return outside[id(table)]
+    tables = [m for m in module.modules() if isinstance(m, nn.Embedding) and id(m) in outside]
+    if not tables:
+        return None
+    return outside[id(max(tables, key=lambda m: m.num_embeddings))]
+
+
+def discovered_block_attrs(module: nn.Module) -> tuple[str, ...]:
+    """Block container paths of a ``module`` that no override, class attribute or table
+    entry covers, found by its structure alone:
+
+    1. a UNet (``down_blocks`` and ``up_blocks`` containers): ``("down_blocks",
+       "mid_block", "up_blocks")`` (``mid_block``, a single block, when present);
+    2. a model that embeds tokens (``token_embedding_path``: every transformers text
+       encoder, CausalLM and conditional-generation wrappers included): the containers of
+       the nearest module above its token table that has any (rule 3 applied there). That
+       is the text model's layers: ``model.layers`` under a ``...ForCausalLM``,
+       ``model.language_model.layers`` in a vision-language model (whose vision tower
+       stays in the trunk, resident), ``encoder.block`` in T5, ``transformer.encoder.layer``
+       in Kandinsky's ``MultilingualCLIP``;
+    3. otherwise the outermost ``nn.ModuleList`` / ``nn.Sequential`` containers whose
+       children repeat one class (or hold one composite block), each with at least 5 % of
+       the module's depth bytes and together more than half. Depth bytes leave out token
+       tables, LM heads (in rule 2) and non-persistent buffers (``_depth_bytes``).
+
+    Containers are in definition order. Else ``()``."""
+    down, up = getattr(module, "down_blocks", None), getattr(module, "up_blocks", None)
+    if isinstance(down, nn.ModuleList) and isinstance(up, nn.ModuleList):
+        if isinstance(getattr(module, "mid_block", None), nn.Module):
+            return ("down_blocks", "mid_block", "up_blocks")
+        return ("down_blocks", "up_blocks")
+    table = token_embedding_path(module)
+    if table is not None:
+        tokens = _resolve(module, table)
+        vocab = getattr(tokens, "num_embeddings", None)
+        parts = table.split(".")[:-1]
+        while True:
+            prefix = ".".join(parts)
+            stack = _resolve(module, prefix) if prefix else module
+            paths = _repeated_containers(stack, vocab) if isinstance(stack, nn.Module) else []
+            if paths:
+                return tuple(f"{prefix}.{p}" if prefix else p for p in paths)
+            if not parts:
+                return ()
+            parts.pop()
+    return tuple(_repeated_containers(module))
 
 
 def _paths(value: Any, what: str) -> tuple[str, ...]:
