@@ -214,6 +214,9 @@ class _ConfigView:
         return getattr(self._pipeline, name)
 
 
+_PROMPTS = ("prompt", "negative_prompt")
+
+
 def _default_size(pipeline: Any) -> int | None:
     """The side ``__call__`` gives an omitted ``height``/``width`` before it runs
     ``check_inputs`` (``default_sample_size * vae_scale_factor``: FLUX, SD3, Qwen-Image and
@@ -237,7 +240,9 @@ def check_arguments(pipeline: Any, item: PromptItem,
 
     Returns:
         ``(args, unknown)``: the arguments, and the names of the required ones the request
-        did not give whose value here is None (``__call__`` may derive them first).
+        did not give whose value here is None, prompts aside (``prompt_2``,
+        ``negative_prompt``: ``__call__`` passes them as given): ``__call__`` may derive
+        those first (``num_frames``, a ``height`` without :func:`_default_size`).
     """
     check = type(pipeline).check_inputs
     call = inspect.signature(type(pipeline).__call__).parameters
@@ -258,7 +263,8 @@ def check_arguments(pipeline: Any, item: PromptItem,
             args[name] = None
         if name in ("height", "width") and args.get(name) is None and name in args:
             args[name] = _default_size(pipeline)
-        if param.default is inspect.Parameter.empty and args.get(name) is None:
+        if param.default is inspect.Parameter.empty and args.get(name) is None \
+                and not name.startswith(_PROMPTS):
             unknown.append(name)
     return args, unknown
 
