@@ -518,3 +518,37 @@ def test_layer_mode_streams_the_text_encoder(fake_device, built, name):
         assert fa.stats()["races_detected"] == 0
     finally:
         backend.disable()
+
+
+@requires_fake
+def test_flux2_klein_loaded_back_streams_its_causal_lm_text_encoder(fake_device, tmp_path):
+    """Issue 38 item 7's first row: tiny Flux2-Klein, saved with ``save_pretrained`` and
+    loaded back, runs in layer mode with its ``Qwen3ForCausalLM`` text encoder streamed
+    (``model.layers``) beside its DiT, equal to the all-resident run, twice."""
+    from diffusers import DiffusionPipeline
+
+    pipe = tiny_families.build("flux2-klein")
+    assert block_attrs(pipe.text_encoder) == (("model.layers",), "discovered")
+    reference = tiny_families.run("flux2-klein", pipe.to(fake_device))
+    pipe.to("cpu").save_pretrained(tmp_path)
+    loaded = DiffusionPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert type(loaded).__name__ == "Flux2KleinPipeline"
+    assert type(loaded.text_encoder).__name__ == "Qwen3ForCausalLM"
+    fa.reset_stats()
+    backend = LayerwiseOffloadBackend({"mode": "layer", "components": ["dit", "text_encoder"]}, fake_device)
+    backend.enable(loaded)
+    try:
+        names = {c: [b.name for b in seq] for c, seq in backend.streamer.sequences.items()}
+        assert names == {
+            "text_encoder": ["model.layers.0", "model.layers.1"],
+            "transformer": ["transformer_blocks.0", "single_transformer_blocks.0", "single_transformer_blocks.1"],
+        }
+        for _ in range(2):
+            out = tiny_families.run("flux2-klein", loaded)
+            assert torch.equal(out, reference)
+            assert backend.audit() == []
+        assert backend.stats.fallback_loads == 0 and backend.stats.d2h_bytes == 0
+        assert fa.stats()["races_detected"] == 0
+    finally:
+        backend.disable()

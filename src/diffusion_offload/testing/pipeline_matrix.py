@@ -73,6 +73,7 @@ FAMILIES: dict[str, Family] = {
     "lumina2": Family("Lumina2", "Lumina2Pipeline", *_family("lumina2")),
     "hidream": Family("HiDream", "HiDreamImagePipeline", *_family("hidream")),
     "flux2": Family("FLUX.2", "Flux2Pipeline", *_family("flux2")),
+    "flux2-klein": Family("FLUX.2 [klein]", "Flux2KleinPipeline", *_family("flux2-klein")),
     "stable-cascade": Family("Stable Cascade (prior + decoder)", "StableCascadeCombinedPipeline",
                              *_family("stable-cascade")),
     "qwen-image-edit": Family("Qwen-Image-Edit", "QwenImageEditPipeline", *_family("qwen-image-edit")),

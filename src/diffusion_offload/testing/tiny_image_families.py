@@ -18,6 +18,9 @@ Families (``FAMILIES``):
   ``(1, 16, 16, 3)``.
 - ``"hidream"``: ``HiDreamImagePipeline`` (``HiDreamImageTransformer2DModel``, two CLIPs, T5, Llama).
 - ``"flux2"``: ``Flux2Pipeline`` (``Flux2Transformer2DModel``, Mistral 3, ``AutoencoderKLFlux2``).
+- ``"flux2-klein"``: ``Flux2KleinPipeline`` (``Flux2Transformer2DModel``, a ``Qwen3ForCausalLM`` text
+  encoder whose hidden states of layers 1 and 2 make the prompt embedding, ``AutoencoderKLFlux2``;
+  guidance by a negative prompt).
 - ``"stable-cascade"``: ``StableCascadeCombinedPipeline`` (``prior_prior`` and ``decoder``
   ``StableCascadeUNet`` s, the prior's CLIP text encoder, ``vqgan``); images ``(1, 128, 128, 3)``.
 - ``"qwen-image-edit"``: ``QwenImageEditPipeline`` (``tiny_pipelines``' Qwen-Image transformer and
@@ -337,6 +340,42 @@ def _run_flux2(pipe: Any) -> Any:
                 output_type="np").images
 
 
+# --------------------------------------------------------------------------- FLUX.2 [klein]
+
+
+def _build_flux2_klein():
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _chat_tokenizer()
+    # the prompt embedding stacks the hidden states of text_encoder_out_layers (1, 2): 2 x 16
+    transformer = _seeded(lambda: Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    ))
+    # a CausalLM wrapper: its blocks sit at model.layers, and its token table and LM head
+    # (450 tokens) outweigh them, as a 150k-token Qwen3's do
+    text_encoder = _seeded(lambda: Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )).eval())
+    vae = _seeded(lambda: AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    ))
+    return Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=transformer, is_distilled=False)
+
+
+def _run_flux2_klein(pipe: Any) -> Any:
+    return pipe(prompt="a cat", height=32, width=32, num_inference_steps=2, guidance_scale=4.0,
+                max_sequence_length=32, text_encoder_out_layers=(1, 2), generator=_generator(),
+                output_type="np").images
+
+
 # --------------------------------------------------------------------------- Stable Cascade
 
 
@@ -438,6 +477,7 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "lumina2": (_build_lumina2, _run_lumina2),
     "hidream": (_build_hidream, _run_hidream),
     "flux2": (_build_flux2, _run_flux2),
+    "flux2-klein": (_build_flux2_klein, _run_flux2_klein),
     "stable-cascade": (_build_stable_cascade, _run_stable_cascade),
     "qwen-image-edit": (_build_qwen_image_edit, _run_qwen_image_edit),
 }
