@@ -123,7 +123,18 @@ class FakeDeviceTensor(torch.Tensor):
     __device_tensor__ = True
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> "FakeDeviceTensor":
+    def __new__(cls, inner: torch.Tensor, requires_grad: bool | None = None) -> "FakeDeviceTensor":
+        """Wrap the host tensor ``inner`` as a ``fakegpu`` tensor (the fake's own use).
+
+        With ``requires_grad`` given, this is a library rebuilding a parameter as
+        ``type(param)(data, requires_grad=...)`` (accelerate's
+        ``set_module_tensor_to_device`` does): on ``fakegpu`` ``type(param)`` is this
+        class (``nn.Parameter`` of a tensor subclass keeps the subclass and marks the
+        instance), where on CUDA it is ``nn.Parameter``; so the result is what
+        ``nn.Parameter(inner, requires_grad)`` gives, on ``inner``'s own device.
+        """
+        if requires_grad is not None:
+            return torch.nn.Parameter(inner, requires_grad=requires_grad)
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             inner.size(),
@@ -171,6 +182,11 @@ def _unwrap(x: Any) -> Any:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _device_kwarg_is(kwargs: dict, device_type: str) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == device_type
 
 
 def _device_kwarg_is_host(kwargs: dict) -> bool:
@@ -264,6 +280,12 @@ def _dispatch(func, args, kwargs):
     Until a side stream is created or a copy bandwidth is set, ops take the plain path
     (no stream bookkeeping at all); afterwards ``_dispatch_modelled`` runs the race
     detector and the copy timing around it."""
+    if func is _aten._has_compatible_shallow_copy_type.default:
+        return _compatible_shallow_copy_type(args[0], args[1])
+    if func is _aten._to_copy.default and _device_kwarg_is(kwargs, "meta"):
+        # ``t.to("meta")``: a meta tensor of t's shape and dtype; no data moves (on CUDA
+        # no kernel or copy either): no device op, transfer or host wait
+        return func(_unwrap(args[0]), **kwargs)
     count = _op_count(func)
     if state.model_on:
         out = _dispatch_modelled(func, args, kwargs)
@@ -279,6 +301,16 @@ def _dispatch(func, args, kwargs):
             or (count == _BY_ARGS and _waits_by_args(func, args, kwargs))
         )
     return out
+
+
+def _compatible_shallow_copy_type(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch._has_compatible_shallow_copy_type(a, b)`` (whether ``a.data = b`` may swap
+    storages in place; ``nn.Module._apply`` asks it): False between a ``fakegpu`` and a
+    host tensor, as between a CUDA and a CPU tensor, else the answer for the payloads. A
+    metadata query: no device op, never a device-mixing error."""
+    if isinstance(a, FakeDeviceTensor) != isinstance(b, FakeDeviceTensor):
+        return False
+    return torch._has_compatible_shallow_copy_type(_unwrap(a), _unwrap(b))
 
 
 def _dispatch_transfer_plain(func, args, kwargs):
