@@ -256,3 +256,36 @@ def test_ray_path_refuses_and_edits_as_one_process(flux: Omni) -> None:
             "Invalid request: the model refused it: `max_sequence_length` cannot be greater than 512")
     assert one[2].status_code == ray[2].status_code == 200
     assert one[2].json()["data"] == ray[2].json()["data"]  # the same image, byte for byte
+
+
+def test_a_refusal_crosses_a_process_boundary_with_its_message_and_field() -> None:
+    """What a generator replica raises reaches the job index pickled (Ray): the failed
+    job then answers the single-process pre-check's 400, ``param`` included."""
+    import pickle
+
+    from diffusion_offload.engine.knobs import KnobError
+    from diffusion_offload.server.jobs import Job, JobManager
+    from diffusion_offload.server.state import (
+        JobSpec, RequestRefused, job_error_code, job_error_message, job_failure, refusal_error,
+    )
+
+    for exc in (ValueError("`max_sequence_length` cannot be greater than 512 but is 1000"),
+                KnobError("strength", "Invalid value for 'strength': must be from 0 to 1, got 2.")):
+        refused = pickle.loads(pickle.dumps(RequestRefused.of(exc)))
+        want = refusal_error(exc)
+
+        def runner(job: Job, refused: RequestRefused = refused) -> None:
+            raise refused
+
+        jobs = JobManager(runner, 4, error_code=job_error_code, error_message=job_error_message)
+        jobs.start()
+        job = Job("image", JobSpec("a car", SamplingParams(width=16, height=16)))
+        done = __import__("threading").Event()
+        job.add_done_callback(lambda _: done.set())
+        jobs.submit(job)
+        assert done.wait(10)
+        jobs.shutdown(1.0)
+        got = job_failure(job)
+        assert (got.status, got.param, got.code, got.message) == (400, want.param, "invalid_value",
+                                                                  want.message)
+    assert want.param == "strength" and want.message.startswith("Invalid value for 'strength'")

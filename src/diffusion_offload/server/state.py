@@ -53,21 +53,39 @@ class RequestRefused(ValueError):
 
     Raised by :meth:`ServerState.execute` before it generates, so a job that a generator
     replica refuses (``serve --ray``, whose ingress has no pipeline to check with) fails
-    with the 400 the single-process server answers when the request arrives."""
+    with the 400 the single-process server answers when the request arrives. It pickles
+    with its message and field (Ray sends it from the replica to the job index).
+
+    Args:
+        message: the client's message.
+        field: the refused field, or None.
+    """
 
     error_code = "invalid_value"
 
-    def __init__(self, exc: ValueError) -> None:
-        self.field: str | None = getattr(exc, "field", None)
-        self.message = str(exc) if self.field else f"Invalid request: the model refused it: {exc}"
-        super().__init__(self.message)
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    @classmethod
+    def of(cls, exc: ValueError) -> RequestRefused:
+        """The refusal of the engine's ``exc``: a ``KnobError``'s own message and field,
+        else ``"Invalid request: the model refused it: ..."`` with the pipeline's message."""
+        if isinstance(exc, cls):
+            return exc
+        field = getattr(exc, "field", None)
+        return cls(str(exc) if field else f"Invalid request: the model refused it: {exc}", field)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.message, self.field)
 
 
 def refusal_error(exc: ValueError) -> APIError:
     """The 400 of a request the engine refused (``exc`` from ``check_request``): a
     ``KnobError``'s own message and field, else ``"Invalid request: the model refused
     it: ..."`` with the pipeline's message."""
-    refused = exc if isinstance(exc, RequestRefused) else RequestRefused(exc)
+    refused = RequestRefused.of(exc)
     return APIError(400, refused.message, param=refused.field, code=RequestRefused.error_code)
 
 _MAX_SEED = 2**31 - 1
@@ -734,7 +752,7 @@ class ServerState(BaseServerState):
             try:
                 check(spec.prompt, spec.params)
             except ValueError as exc:
-                raise RequestRefused(exc) from None
+                raise RequestRefused.of(exc) from None
 
         def report(percent: float) -> None:  # called after every denoising step
             if job.status != IN_PROGRESS:  # marked failed by the shutdown grace: stop now

@@ -35,7 +35,9 @@ class _RemoteEngine:
     """What the routes ask of the engine, for a model that runs on the generators: as
     ``Omni``'s ``is_video``, ``image_input`` (``"required"``, ``"optional"`` or None),
     ``pipeline_class`` and ``knobs_for``, from a generator's description of its model
-    (``edits``: ``generator._edit_tables``'s, None when it cannot edit)."""
+    (``edits``: ``generator._edit_tables``'s, None when it cannot edit). It has no
+    ``check_request``: the generator checks each job before it runs it
+    (``ServerState.execute``), and a refusal answers the single-process server's 400."""
 
     def __init__(self, is_video: bool, image_input: str | None = None,
                  pipeline_class: str = "this model", edits: dict[str, Any] | None = None) -> None:
