@@ -52,7 +52,10 @@ What it gives a test that a CPU run cannot:
   (``.cpu()``, ``.item()``, ``.tolist()``, device->host copies) are ops on the current
   stream like any other. Freeing a tracked storage while a stream other than its
   allocation stream used it, unordered before the allocation stream's clock and not
-  covered by a synchronize or ``tensor.record_stream(that stream)``, is a race too; frees
+  covered by a synchronize, by ``tensor.record_stream(that stream)`` or by
+  ``record_stream`` of a stream that has waited on that use (CUDA's caching allocator
+  reuses the block only once an event recorded on every recorded stream at the free
+  completes), is a race too; frees
   happen in finalizers, so that ``RaceError`` is raised by the next ``fakegpu`` op or
   stream/event call. ``stats()`` counts ``stream_waits``, ``events`` and
   ``races_detected`` (every race found, raised or not). Views and metadata ops
@@ -81,6 +84,17 @@ What it gives a test that a CPU run cannot:
   ``torch.save``), and ops on another thread than the one that issued the copy.
   ``repr()`` of a ``fakegpu`` tensor is a blocking host read on the current stream: it
   raises ``RaceError`` if the tensor's writer on another stream is not ordered before it.
+* **``torch.accelerator`` and ``torch.fakegpu``, as for CUDA.** ``torch.accelerator``'s
+  ``memory_allocated``/``max_memory_allocated``/``memory_reserved``/``max_memory_reserved``/
+  ``memory_stats``/``reset_peak_memory_stats``/``reset_accumulated_memory_stats``/
+  ``empty_cache``/``get_memory_info`` answer from the counters above (``allocated_bytes``,
+  ``peak_bytes``, capacity; ``counters.memory_stats_nested`` documents every statistic),
+  and its ``synchronize``/``current_stream``/``set_stream`` use the streams below
+  (``accelerator.py`` explains why and how). ``torch.fakegpu`` has the same memory calls
+  and ``get_rng_state``/``set_rng_state`` (the host generator's: random ops on the device
+  draw from it). ``t.to("meta")`` gives a meta tensor and moves nothing;
+  ``scaled_dot_product_attention`` needing no gradient runs as one device op computing
+  what the CPU computes (``kernels._sdpa_autograd``).
 * **Copy time.** ``set_copy_bandwidth(bytes_per_second)`` makes host<->device copies
   take ``nbytes / bytes_per_second`` seconds of virtual time per stream: a
   ``non_blocking`` copy on a side stream returns at once, a blocking copy or any copy on
@@ -99,7 +113,8 @@ The package's modules, each importing only those listed before it: ``state`` (th
 and the shared mutable state), ``counters`` (accounting: ``stats()``, resets, capacity),
 ``races`` (``RaceError`` and the device-side race detector), ``host_races`` (pinned host
 memory and the host-side race detector), ``streams`` (``Stream``, ``Event``,
-``synchronize()``, the copy bandwidth), ``device`` (``FakeDeviceTensor`` and its
+``synchronize()``, the copy bandwidth), ``accelerator`` (``torch.accelerator``'s calls
+answered for ``fakegpu``), ``device`` (``FakeDeviceTensor`` and its
 dispatch), ``data`` (``.data`` assignment), ``kernels`` (the ``torch.library`` kernels)
 and ``backend`` (``torch.fakegpu`` and ``install()``). This module re-exports the public
 API.
@@ -108,7 +123,15 @@ API.
 from __future__ import annotations
 
 from .backend import install, is_installed
-from .counters import live_storages, reset_peak, reset_stats, set_capacity, stats
+from .counters import (
+    live_storages,
+    memory_stats_nested,
+    reset_accumulated_memory_stats,
+    reset_peak,
+    reset_stats,
+    set_capacity,
+    stats,
+)
 from .device import FakeDeviceTensor, storage_key
 from .races import RaceError
 from .state import DEVICE_TYPE
@@ -136,6 +159,8 @@ __all__ = [
     "install",
     "is_installed",
     "live_storages",
+    "memory_stats_nested",
+    "reset_accumulated_memory_stats",
     "reset_peak",
     "reset_stats",
     "set_capacity",

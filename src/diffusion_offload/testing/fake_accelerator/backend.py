@@ -31,6 +31,7 @@ from .kernels import (
     _is_pinned,
     _linspace,
     _pin_memory,
+    _sdpa_autograd,
 )
 from .races import RaceError
 from .state import DEVICE_TYPE, _lock, state
@@ -74,6 +75,20 @@ class _BackendModule:
     @staticmethod
     def device_count() -> int:
         return 1
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        """The device's RNG state: the host generator's (``torch.get_rng_state()``).
+
+        Random ops on ``fakegpu`` tensors run on their host payloads and draw from the
+        host's default generator: the fake device has no generator of its own, so
+        ``torch.random.fork_rng`` (which saves and restores every device's state) works."""
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
+        """Restore a state from ``get_rng_state`` (into the host generator)."""
+        torch.set_rng_state(new_state)
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -218,6 +233,9 @@ def install() -> torch.device:
         dev_lib.impl("arange.start_step", _arange)
         dev_lib.impl("linspace", _linspace)
         dev_lib.impl("_local_scalar_dense", _local_scalar_dense)
+        autograd_lib = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
+        autograd_lib.impl("scaled_dot_product_attention", _sdpa_autograd)
+        _libs.append(autograd_lib)
         autocast.register(_libs)
         cpu_lib = torch.library.Library("aten", "IMPL", "CPU")
         cpu_lib.impl("_pin_memory", _pin_memory)

@@ -133,3 +133,28 @@ def _is_pinned(self: torch.Tensor, device=None) -> bool:
         return False
     with _lock:
         return self.untyped_storage().data_ptr() in _counters.pinned
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _sdpa_autograd(*args, **kwargs):
+    """``aten::scaled_dot_product_attention`` at ``AutogradPrivateUse1``.
+
+    The op is ``CompositeImplicitAutograd``: PyTorch decomposes it before the backend
+    sees it, by ``_fused_sdp_choice_stub``, a C++ registry a Python backend cannot fill.
+    On ``fakegpu`` that choice is always the math decomposition (scaled ``bmm``, softmax,
+    ``bmm``), outside inference mode only: under ``inference_mode`` the whole op reaches
+    the fake, which runs the host's fused kernel. The two give different bits, and
+    neither matched the host run everywhere. CUDA runs one fused kernel whatever the
+    grad mode. So when no gradient is needed (grad mode off, or no argument requires
+    grad), the op goes below autograd whole: one device op that computes exactly what
+    the same call on CPU computes. When one is needed, PyTorch's decomposition runs as
+    before, with its backward.
+    """
+    if torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())
+    ):
+        return _SDPA.decompose(*args, **kwargs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _SDPA(*args, **kwargs)
