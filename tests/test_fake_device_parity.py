@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -176,6 +178,31 @@ def test_torch_accelerator_memory_functions_answer_from_the_fake_counters(fake_d
     with pytest.raises(ValueError, match="not a fakegpu device"):
         acc.memory_allocated(1)
     del small, large
+
+
+def test_torch_accelerator_defers_to_pytorch_for_another_accelerator(fake_device, monkeypatch) -> None:
+    from diffusion_offload.testing.fake_accelerator import accelerator
+
+    monkeypatch.setattr(accelerator, "_ours", lambda: False)
+    # PyTorch's own binding: a Python backend has no DeviceAllocator
+    with pytest.raises(RuntimeError, match="is not a DeviceAllocator"):
+        torch.accelerator.memory_allocated()
+    monkeypatch.undo()
+    assert torch.accelerator.memory_allocated() == fa.stats()["allocated_bytes"]
+
+
+def test_empty_host_cache_after_device_use_does_not_crash() -> None:
+    script = (
+        "import torch\n"
+        "from diffusion_offload.testing import fake_accelerator as fa\n"
+        "dev = fa.install()\n"
+        "x = torch.ones(4).pin_memory().to(dev)\n"
+        "torch.accelerator.empty_host_cache()\n"
+        "print('survived', x.sum().item())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "survived 4.0"
 
 
 def test_torch_accelerator_streams_and_synchronize_are_the_fake_ones(streams) -> None:

@@ -2,12 +2,13 @@
 
 PyTorch routes ``torch.accelerator.memory_stats()``, ``memory_allocated()``,
 ``max_memory_allocated()``, ``memory_reserved()``, ``max_memory_reserved()``,
-``reset_peak_memory_stats()``, ``reset_accumulated_memory_stats()``, ``empty_cache()``
-and ``get_memory_info()`` through ``torch._C._accelerator_*`` bindings to the C++
+``reset_peak_memory_stats()``, ``reset_accumulated_memory_stats()``, ``empty_cache()``,
+``empty_host_cache()`` and ``get_memory_info()`` through ``torch._C._accelerator_*`` bindings to the C++
 ``c10::DeviceAllocator`` registered for the device type. Only a C++ extension can register
 one (``c10::SetAllocator`` with a ``DeviceAllocator`` subclass); a backend registered from
 Python (``_setup_privateuseone_for_python_backend``) has none, and every one of those calls
-fails with ``INTERNAL ASSERT FAILED ... Allocator for fakegpu is not a DeviceAllocator``.
+fails with ``INTERNAL ASSERT FAILED ... Allocator for fakegpu is not a DeviceAllocator``
+(``empty_host_cache()``, once a ``fakegpu`` tensor exists, crashes the process).
 Likewise ``torch.accelerator.synchronize()``, ``current_stream()`` and ``set_stream()`` go
 to the Python backend's C++ device guard, whose streams are hard-wired to one default
 stream: ``synchronize()`` raises, and ``current_stream()`` never sees a side stream.
@@ -74,6 +75,13 @@ def _empty_cache() -> None:
     return None  # no caching allocator: freed memory is returned at once
 
 
+def _empty_host_cache() -> None:
+    # pinned host memory is ordinary host memory marked pinned (host_races): nothing is
+    # cached. PyTorch's own binding dereferences the Python backend's missing host
+    # allocator and crashes the process once fakegpu has been used.
+    return None
+
+
 def _get_device_stats(index: int) -> dict[str, Any]:
     _device(index)
     return memory_stats_nested()
@@ -112,6 +120,7 @@ def _set_stream(s: torch.Stream) -> None:
 _ANSWERS: dict[str, Callable[..., Any]] = {
     "_accelerator_isAllocatorInitialized": _is_allocator_initialized,
     "_accelerator_emptyCache": _empty_cache,
+    "_accelerator_emptyHostCache": _empty_host_cache,
     "_accelerator_getDeviceStats": _get_device_stats,
     "_accelerator_resetAccumulatedStats": _reset_accumulated,
     "_accelerator_resetPeakStats": _reset_peak,
