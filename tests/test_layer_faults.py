@@ -435,11 +435,10 @@ def _budget_for_two_of_three(device: torch.device) -> int:
 
 
 def _writer(ctx: Ctx, block: str, weight_op: str = "data.add_") -> Callable[..., None]:
-    """A forward pre-hook that writes the block's weights while it is on the device.
-
-    Inside the block's own forward (``weight_op="data="``) the writes are the kinds the
-    host sees (a reassignment, an in-place op); between requests also a ``.data``
-    in-place write, which only the device fingerprints see (README, write detection)."""
+    """A forward pre-hook that writes the block's weights while it is on the device: the
+    weight by ``weight_op`` (``"data="`` a reassignment; ``"data.add_"`` a ``.data``
+    in-place write, which changes neither the version counter nor the storage: only the
+    release's device check sees it, issue 38 item 1), the bias by an in-place op."""
 
     def hook(module: nn.Module, args: tuple) -> None:
         _write_op(module.fc.weight, weight_op)
@@ -476,9 +475,10 @@ def _prepare(ctx: Ctx, scenario: str) -> None:
         warm = 2
     for _ in range(warm):
         ctx.request()
-    if scenario == "writeback_release":
+    if scenario in ("writeback_release", "writeback_release_data"):
         block = ctx.pipe.transformer.blocks[1]  # registered after the offload pre-hook: runs on the device
-        ctx.hooks.append(block.register_forward_pre_hook(_writer(ctx, "transformer.blocks.1", "data=")))
+        op = "data=" if scenario == "writeback_release" else "data.add_"
+        ctx.hooks.append(block.register_forward_pre_hook(_writer(ctx, "transformer.blocks.1", op)))
     elif scenario == "carried_write":
         fa.synchronize()  # the write itself must not race the copy (item 2 is tested elsewhere)
         on_dev = [n for n, m in ctx.blocks.items() if all(t.device == ctx.device for _, t in _tensors(m))]
@@ -517,6 +517,7 @@ LAYER_SCENARIOS = (
     "prefetch",  # a text-encoder call on prefetched blocks, ending with the DiT's prefetch
     "prefetch_drop",  # the DiT order reversed: two wrong prefetches dropped
     "writeback_release",  # a block written while on the device: written back at release
+    "writeback_release_data",  # the same by a .data in-place write in its pre-hook
     "carried_write",  # the carried prefetch written between requests, then dropped
     "disable",  # disable() with a carried prefetch (its moves, if it makes any)
     "disable_hook_removal",  # disable() failing at the k-th hook removal

@@ -19,6 +19,11 @@ gets the same steps. Steps:
   ``.data +=``, ``.data.copy_``, ``.data = new``, ``.data =`` the same bytes) to a
   streamed block, a trunk, an unselected encoder or the VAE, between requests, wherever
   the weight is at that moment (a carried prefetch included);
+* ``hook_write``: the same writes, made by a one-shot forward pre-hook on a streamed block
+  during the next request that runs it (so between prefetches, the block's successor in
+  flight), to a weight or bias of another block, a trunk or the VAE, wherever it is then:
+  an evicted weight's host copy may still be read by a queued H2D copy, and a host write
+  into it must wait (issue 38 item 2; the host-race detector is on);
 * ``rebudget``: ``disable()``, then ``enable()`` in module mode with a new budget (bytes
   for everything, two of the three selected components, the largest one, one byte less
   than the largest one, or ``"auto"``); a budget refused at ``enable()`` (issue 17 item 7:
@@ -227,7 +232,11 @@ WRITE_TARGETS = (
     "transformer_2.proj",
     "image_encoder.proj",
     "vae.post",
+    "text_encoder.layers.0.fc.bias",
+    "transformer.blocks.0.fc.bias",
+    "transformer_2.proj.bias",
 )
+HOOK_BLOCKS = ("transformer.blocks.1", "transformer_2.blocks.0", "text_encoder.layers.1")
 WRITES = ("no_grad add_", "data.add_", "data +=", "data.copy_", "data = new", "data = same bytes")
 BUDGETS = ("ample", "two", "largest", "below", "auto")
 MODES = ("layer", "module") + tuple(f"budget:{b}" for b in BUDGETS)
@@ -276,6 +285,15 @@ def _write(p: torch.Tensor, path: str) -> None:
             p.data = p.detach().clone()
 
 
+def _write_in(pipe: nn.Module, target: str, path: str) -> None:
+    """Write a Linear's weight (``target`` names the Linear) or its bias (``target`` ends
+    in ``.bias``) of ``pipe`` by ``path``, wherever the tensor is now."""
+    name, attr = (target[: -len(".bias")], "bias") if target.endswith(".bias") else (target, "weight")
+    layer = pipe.get_submodule(name)
+    lin = layer.base if isinstance(layer, LoraLinear) else layer
+    _write(getattr(lin, attr), path)
+
+
 class Model:
     """The offloaded pipeline, its backend, and the all-resident shadow."""
 
@@ -288,6 +306,8 @@ class Model:
         self.budget: int | str | None = None
         self.loras = 0
         self.refused: list[str] = []
+        self.muted = False  # hook_write hooks do not fire (the shadow runs a part alone)
+        self.hook_writes = 0
         # LoRA tensors loaded since their component last ran: the backend adopts them at
         # its next activation (SPEC: structural changes are followed there), so until then
         # they may sit on the host beside a resident component
@@ -361,10 +381,12 @@ class Model:
         elif variant == "no_dit":  # only the encoders and the VAE run
             kwargs["order"] = ()
         if variant == "embeds":
+            self.muted = True  # the shadow's encoder runs alone here: its hooks wait
             with torch.no_grad():
                 ids = torch.tensor(IDS, device=dev)
                 cond = self.shadow.text_encoder(ids)
                 kwargs["embeds"] = (cond, self.shadow.text_encoder(torch.zeros_like(ids)) if cfg else cond)
+            self.muted = False
         got = self.pipe(dev, **kwargs)
         want = self.shadow(dev, **kwargs)
         assert torch.equal(got, want), f"request {kwargs} differs from all-resident"
@@ -400,11 +422,39 @@ class Model:
                     self.dropped.add(target.split(".")[0])
         self.loras += 1
 
+    def hook_write(self, block: str, target: str, path: str) -> None:
+        """Register on ``block`` (in the pipeline and the shadow) a pre-hook that makes
+        ``write(target, path)`` once, the first time the block runs."""
+        decided: list[bool] = []  # the pipeline's hook decides, the shadow's follows (it runs after)
+
+        def hook(module: nn.Module, args: Any) -> None:
+            if decided or self.muted:
+                return
+            # the contract (README, layer mode): a block whose prefetch is in flight is
+            # written in its own hooks or between calls, not from another block's hook
+            decided.append(not self._in_flight(target))
+            if decided[0]:
+                self.hook_writes += 1
+                _write_in(self.pipe, target, path)
+
+        def shadow_hook(module: nn.Module, args: Any) -> None:
+            if decided and decided[0] and len(decided) == 1 and not self.muted:
+                decided.append(True)
+                _write_in(self.shadow, target, path)
+
+        self.pipe.get_submodule(block).register_forward_pre_hook(hook)
+        self.shadow.get_submodule(block).register_forward_pre_hook(shadow_hook)
+
+    def _in_flight(self, target: str) -> bool:
+        """Whether ``target`` is in layer mode's block being prefetched now."""
+        streamer = getattr(self.backend, "streamer", None)
+        blk = None if streamer is None else streamer.prefetched
+        return blk is not None and blk.on_device and target.startswith(f"{blk.component}.{blk.name}.")
+
     def write(self, target: str, path: str) -> None:
+        """``_write_in`` the pipeline and the shadow."""
         for pipe in (self.pipe, self.shadow):
-            layer = pipe.get_submodule(target)
-            lin = layer.base if isinstance(layer, LoraLinear) else layer
-            _write(lin.weight, path)
+            _write_in(pipe, target, path)
 
     # -- checks ----------------------------------------------------------------------
 
@@ -542,6 +592,9 @@ STEP = st.one_of(
     st.tuples(st.just("request"), st.integers(1, 3), st.booleans(), st.sampled_from(VARIANTS)),
     st.tuples(st.just("lora"), st.sampled_from(LORA_TARGETS), st.sampled_from(["load", "fuse", "unfuse", "unload"])),
     st.tuples(st.just("write"), st.sampled_from(WRITE_TARGETS), st.sampled_from(WRITES)),
+    st.tuples(
+        st.just("hook_write"), st.sampled_from(HOOK_BLOCKS), st.sampled_from(WRITE_TARGETS), st.sampled_from(WRITES)
+    ),
     st.tuples(st.just("rebudget"), st.sampled_from(BUDGETS)),
     st.tuples(st.just("switch"), st.sampled_from(MODES)),
 )

@@ -35,6 +35,9 @@ class TransferStats:
         device_checks: write checks decided on the device when weights left it: one
             comparison read back (a host wait) each, plus per-member read-backs when it
             differs.
+        host_write_waits: device synchronizes before a host write into a pinned host
+            copy (a member replaced by ``.data = t`` while evicted, taken into its host
+            copy at the next load: ``Mover._take_host_writes``).
         prefetches: layer mode: block loads issued ahead of use on the copy stream.
         fallback_loads: layer mode: blocks that ran without having been prefetched (the
             model skipped or repeated a block, or the first block of a first call) and
@@ -62,6 +65,7 @@ class TransferStats:
     fingerprints: int = 0
     check_d2h_bytes: int = 0
     device_checks: int = 0
+    host_write_waits: int = 0
     prefetches: int = 0
     fallback_loads: int = 0
     wasted_prefetches: int = 0

@@ -34,7 +34,8 @@ Ordering, on platforms with streams (CUDA, XPU, NPU, the fake device):
   write it, is checked on the device when the next stage call starts: unchanged, it
   counts as loaded in that call; changed, it is written back and released. Dropping a prefetch
   that guessed wrong is a release like any other. ``check_writes=False`` skips every
-  check, for inference that writes no weight.
+  device check, for inference that writes no weight in place (a ``.data =`` replacement
+  is still seen, on the host).
 
 Other platforms copy synchronously on the current stream.
 
@@ -115,9 +116,10 @@ class BlockStreamer:
             results and what the model sees (``param.device``) are the same.
         check_writes: check each released block for writes (its arenas' sums computed on
             the device and read back: one host wait a release) and write changed weights
-            back. False trusts that nothing writes the weights while they are on the
-            device (pure inference): no check at all, and a write to a streamed weight is
-            lost.
+            back. False trusts that nothing writes the weights in place while they are on
+            the device (pure inference): no device check, and an in-place write to a
+            streamed weight is lost; a replacement (``p.data = t``) is still seen on the
+            host and kept.
 
     The schedule is learned from the calls observed, never assumed:
 
@@ -656,12 +658,23 @@ class BlockStreamer:
         cannot judge a block that ran: an in-place op on ``p.data`` inside its forward or
         a hook (``m.bias.data.add_(1)``) changes neither its version counter nor its
         storage."""
-        if not members or not self.check_writes:
-            return [False] * len(members)
+        if not members:
+            return []
+        if not self.check_writes:  # replacements only: seen on the host, for free
+            return [self._replaced(s, m) for s in slots for m in s.members]
         waited = time.perf_counter()
         changed = block.weights.changed(slots)
         self._emit("host wait", block, waited)
         return changed
+
+    def _replaced(self, slot: Any, member: Member) -> bool:
+        """Whether ``member``'s tensor is no longer its view of the arena's device
+        allocation (``p.data = t`` while on the device): a host-side test, no device op."""
+        arena = slot.arena
+        if arena is None or arena.device_key is None:
+            return False
+        p = member.payload
+        return not arena.covers(p, self.platform.storage_key(p), slot, member)
 
     def _release(self, block: StreamedBlock, known: list[bool] | None = None) -> None:
         """Write back what changed, then drop the block's device copies. A prefetched

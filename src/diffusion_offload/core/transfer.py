@@ -639,12 +639,23 @@ class Mover:
         return view
 
     def _take_host_writes(self, slot: TensorSlot) -> None:
+        """Copy into the slot's host copy the members replaced on the host while evicted
+        (``p.data = t``). A pinned host copy may still be read by an H2D copy queued
+        earlier without the host waiting for it (a prefetch, a load whose compute the host
+        has not waited for): the device is synchronized before the first such write
+        (counted in ``stats.host_write_waits``), so no copy reads half-written bytes.
+        Rare by design: only a ``.data`` replacement on the host comes here."""
+        settled = not slot.pinned
         for m in slot.members:
             p = m.payload
             view = slot.view(slot.host, m)
             if p.data_ptr() == view.data_ptr() and p.stride() == view.stride():
                 continue
             self._note_disk_write(slot)
+            if not settled and not (p.dtype != m.dtype or tuple(p.shape) != m.shape):
+                self.platform.synchronize()  # no queued copy still reads the pinned bytes
+                self.stats.host_write_waits += 1
+                settled = True
             if p.dtype != m.dtype or tuple(p.shape) != m.shape:
                 if len(slot.members) > 1:
                     raise RuntimeError(
@@ -687,9 +698,9 @@ class Mover:
 
         Args:
             changed: per member (the slots' members in order), whether its device bytes
-                differ from its host copy (``checks.LoadCheck.changed``, or layer mode's
-                host-side check). A member whose dtype or shape changed is always written
-                back.
+                differ from its host copy (``ComponentWeights.changed``; with layer
+                mode's ``check_writes=False``, whether it was replaced). A member whose
+                dtype or shape changed is always written back.
         """
         members = [(s, m) for s in slots for m in s.members]
         if not members:

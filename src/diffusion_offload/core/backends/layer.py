@@ -230,7 +230,8 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             host copy's, one small read-back and so one host wait a release; a ``.data``
             in-place write inside a forward or a hook is seen too).
             False: for pure inference, device->host traffic is exactly the pipeline's
-            own, and a write to a streamed weight while it is on the device is lost.
+            own, and an in-place write to a streamed weight while it is on the device is
+            lost (a ``p.data = t`` replacement is still seen on the host and kept).
         component_roles, max_pinned_bytes, host_memory_budget, weights_from: as
             ``ModelLevelOffloadBackend``.
         device_memory_budget: bytes of weights that may be on the device at once
