@@ -41,6 +41,14 @@ used as text encoders (Llama, Gemma, Gemma 2, Qwen3, GLM, Mistral 3), so that wh
 forward runs its containers out of definition order (Lumina2: ``context_refiner`` before
 ``noise_refiner``) the first call's order is right too.
 
+Text encoders need no row: structure alone finds the blocks of every text-encoder class
+diffusers 0.42's pipelines name (``tests/test_text_encoder_blocks.py`` walks them:
+``Qwen3ForCausalLM``, ``Gemma3ForConditionalGeneration``, ``LlavaForConditionalGeneration``,
+``Qwen2_5_VLTextModel``, ``Gemma2ForCausalLM``, ``MultilingualCLIP``, ... and the
+``PriorTransformer`` of Kandinsky's priors). The text-encoder rows above say what structure
+finds (the same test checks it); they stay because ``models/fit`` plans from weight-file
+headers, where only a class name is known.
+
 The order of the blocks is the order of the containers, then of their children: the order
 a forward runs them in for every model in the table. A child that is itself an
 ``nn.ModuleList`` (no forward of its own, so never called) is replaced by its children.
@@ -399,7 +407,8 @@ def discover_blocks(
             f"component {label!r} ({type(module).__name__}) has no discoverable blocks for "
             "layer mode: its class declares no _layerwise_offload_blocks_attrs, is not in "
             f"the built-in table ({sorted(BUILTIN_BLOCK_ATTRS)}), and no containers of repeated "
-            f"blocks hold most of its bytes; pass "
+            f"blocks hold most of its bytes (token tables, LM heads and non-persistent buffers "
+            f"left out), above its token table or anywhere; pass "
             f"layer_blocks={{{label!r}: ['<container path>']}}, or select it out of layer mode"
         )
     if source == "discovered":
