@@ -261,7 +261,7 @@ def _chatglm() -> nn.Module:
     return ChatGLMModel(ChatGLMConfig(num_layers=2, padded_vocab_size=VOCAB, hidden_size=16, ffn_hidden_size=32,
                                       kv_channels=8, num_attention_heads=2, seq_length=32, multi_query_attention=True,
                                       multi_query_group_num=1, add_qkv_bias=True,
-                                      original_rope=True))
+                                      original_rope=True), empty_init=False)  # else torch.empty weights
 
 
 def _ldm_bert() -> nn.Module:
@@ -509,6 +509,7 @@ def test_layer_mode_streams_the_text_encoder(fake_device, built, name):
             with torch.no_grad():
                 out = _tensors(spec.call(model, fake_device))
             assert len(out) == len(reference) > 0
+            assert all(bool(torch.isfinite(t).all()) for t in reference if t.is_floating_point()), name
             for got, want in zip(out, reference):
                 assert torch.equal(got, want), (name, call)
             assert backend.audit() == []
@@ -547,6 +548,66 @@ def test_flux2_klein_loaded_back_streams_its_causal_lm_text_encoder(fake_device,
         for _ in range(2):
             out = tiny_families.run("flux2-klein", loaded)
             assert torch.equal(out, reference)
+            assert backend.audit() == []
+        assert backend.stats.fallback_loads == 0 and backend.stats.d2h_bytes == 0
+        assert fa.stats()["races_detected"] == 0
+    finally:
+        backend.disable()
+
+
+def _kandinsky_prior() -> Any:
+    """A tiny ``KandinskyPriorPipeline`` (diffusers' tester sizes: a one-block prior beside
+    its 81 x 81 causal-mask buffer, CLIP text and image encoders)."""
+    import transformers
+    from diffusers import KandinskyPriorPipeline, PriorTransformer, UnCLIPScheduler
+
+    from diffusion_offload.testing.tiny_tokenizers import clip_tokenizer
+
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(0)
+    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=12, embedding_dim=32, num_layers=1)
+    with torch.no_grad():  # a zero clip_std would make every image embedding 0
+        prior.clip_std.fill_(1.0)
+    torch.manual_seed(0)
+    text_encoder = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, projection_dim=32, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=77)).eval()
+    torch.manual_seed(0)
+    image_encoder = transformers.CLIPVisionModelWithProjection(transformers.CLIPVisionConfig(
+        hidden_size=32, projection_dim=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+        image_size=32, patch_size=8)).eval()
+    scheduler = UnCLIPScheduler(variance_type="fixed_small_log", prediction_type="sample", num_train_timesteps=1000,
+                                clip_sample=True, clip_sample_range=10.0)
+    pipe = KandinskyPriorPipeline(
+        prior=prior, image_encoder=image_encoder, text_encoder=text_encoder, tokenizer=tokenizer,
+        scheduler=scheduler, image_processor=transformers.CLIPImageProcessor(crop_size=32, size=32))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _run_kandinsky_prior(pipe: Any) -> torch.Tensor:
+    out = pipe(prompt="a cat", num_inference_steps=2, guidance_scale=4.0,
+               generator=torch.Generator().manual_seed(0), output_type="pt")
+    return torch.cat([out.image_embeds, out.negative_image_embeds]).cpu()
+
+
+@requires_fake
+def test_kandinsky_prior_streams_its_prior_and_text_encoder(fake_device):
+    """The Kandinsky 2.1 / 2.2 prior pipeline: its ``PriorTransformer`` (role ``dit``) and
+    its CLIP text encoder both stream in layer mode, equal to the all-resident run, twice;
+    the image encoder (zero-image embeddings) stays resident."""
+    reference = _run_kandinsky_prior(_kandinsky_prior().to(fake_device))
+    pipe = _kandinsky_prior()
+    fa.reset_stats()
+    backend = LayerwiseOffloadBackend({"mode": "layer", "components": ["dit", "text_encoder"]}, fake_device)
+    backend.enable(pipe)
+    try:
+        names = {c: [b.name for b in seq] for c, seq in backend.streamer.sequences.items()}
+        assert names == {"prior": ["transformer_blocks.0"],
+                         "text_encoder": ["text_model.encoder.layers.0", "text_model.encoder.layers.1"]}
+        for _ in range(2):
+            out = _run_kandinsky_prior(pipe)
+            assert out.shape == (2, 32) and torch.equal(out, reference)
             assert backend.audit() == []
         assert backend.stats.fallback_loads == 0 and backend.stats.d2h_bytes == 0
         assert fa.stats()["races_detected"] == 0
