@@ -32,6 +32,7 @@ from ..platform import Platform, platform_for, same_device
 from ..residency import ComponentWeights, WeightTable, named_carriers
 from ..stats import TransferStats
 from ..transfer import Mover, Transaction, payload_of
+from .execution_device import follow_offload
 from .split import SupportsModelCpuOffload
 
 __all__ = ["OffloadBackendBase"]
@@ -210,6 +211,9 @@ class OffloadBackendBase:
                 return
             self._check_unmanaged(components)
             check_foreign_hooks(components, pipeline)
+            # a diffusers pipeline (and every sub-pipeline sharing its modules) computes on
+            # the offload device even when all its modules rest on the host
+            follow_offload(pipeline)
             self._enable(components)
             self._remember(pipeline)
 
