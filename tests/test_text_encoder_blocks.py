@@ -258,10 +258,15 @@ def _ctx_clip() -> nn.Module:
 def _chatglm() -> nn.Module:
     from diffusers.pipelines.kolors.text_encoder import ChatGLMConfig, ChatGLMModel
 
-    return ChatGLMModel(ChatGLMConfig(num_layers=2, padded_vocab_size=VOCAB, hidden_size=16, ffn_hidden_size=32,
-                                      kv_channels=8, num_attention_heads=2, seq_length=32, multi_query_attention=True,
-                                      multi_query_group_num=1, add_qkv_bias=True,
-                                      original_rope=True), empty_init=False)  # else torch.empty weights
+    model = ChatGLMModel(ChatGLMConfig(num_layers=2, padded_vocab_size=VOCAB, hidden_size=16, ffn_hidden_size=32,
+                                       kv_channels=8, num_attention_heads=2, seq_length=32, multi_query_attention=True,
+                                       multi_query_group_num=1, add_qkv_bias=True, original_rope=True),
+                         empty_init=False)
+    with torch.no_grad():  # its RMSNorm weights are torch.empty until a checkpoint loads
+        for sub in model.modules():
+            if type(sub).__name__ == "RMSNorm":
+                sub.weight.fill_(1.0)
+    return model
 
 
 def _ldm_bert() -> nn.Module:
