@@ -483,9 +483,16 @@ class _Prior(nn.Module, SupportsComponentDiscovery):
 
 def test_structure_agrees_with_the_table_rows_of_text_encoders(built):
     """The table rows of transformers text encoders say what structure finds alone."""
+    checked = []
     for name, model in built.items():
         if name in BUILTIN_BLOCK_ATTRS:
-            assert block_attrs(model)[0] == discovered_block_attrs(model), name
+            assert block_attrs(model) == (discovered_block_attrs(model), "table"), name
+            checked.append(name)
+    assert sorted(checked) == [
+        "CLIPTextModel", "CLIPTextModelWithProjection", "Gemma2Model", "GemmaModel", "GlmModel", "LlamaForCausalLM",
+        "LlamaModel", "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3Model",
+        "T5EncoderModel", "UMT5EncoderModel",
+    ]
 
 
 @requires_fake
