@@ -15,7 +15,10 @@ ring, and the private copy-on-write pages of written disk-backed weights. Within
 The choice (``plan_tiers``) is made once, at ``enable``: never disk when RAM suffices.
 Weights that are not file-backed (cast at load, fused with a LoRA, quantized, read from
 GGUF, built in memory) can only live in RAM; when they alone (with the staging ring)
-exceed the budget, ``enable`` fails with ``HostBudgetError``.
+exceed the budget, ``enable`` fails with ``HostBudgetError``. A disk-backed weight written
+under one ``enable`` (``DiskTier.note_write``: its written pages are anonymous memory) is
+one of those at the next ``enable``; so are the copies a plan put in RAM (arenas), once
+``disable`` gave them back to the pipeline.
 
 ``"auto"`` (``auto_host_budget``) is ``min(MemAvailable, cgroup limit - cgroup usage)``
 (cgroup v2 and v1; usage without inactive file pages, which the kernel reclaims) plus the
@@ -32,6 +35,7 @@ import bisect
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,6 +221,30 @@ def check_budget(value: object) -> int | str | None:
 # ----------------------------------------------------------------------------- file maps
 
 
+_WRITTEN: dict[int, "weakref.ReferenceType[torch.UntypedStorage]"] = {}
+"""Storages of file maps a disk tier wrote into (``id`` -> weak reference): no longer
+file-backed for a later plan. An entry goes with its storage."""
+
+
+def _mark_written(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    key = id(storage)
+    ref = _WRITTEN.get(key)
+    if ref is not None and ref() is storage:
+        return
+
+    def forget(r: Any, key: int = key) -> None:
+        if _WRITTEN.get(key) is r:
+            del _WRITTEN[key]
+
+    _WRITTEN[key] = weakref.ref(storage, forget)
+
+
+def _was_written(storage: torch.UntypedStorage) -> bool:
+    ref = _WRITTEN.get(id(storage))
+    return ref is not None and ref() is storage
+
+
 @dataclass(frozen=True)
 class _Map:
     start: int
@@ -252,10 +280,14 @@ class FileMaps:
 
     def backing(self, t: torch.Tensor) -> tuple[str, int] | None:
         """``(file path, byte offset)`` of the file bytes a host tensor's whole storage
-        maps, or None when it is not (wholly) a private map of a safetensors file."""
+        maps, or None when it is not (wholly) a private map of a safetensors file, or
+        when a disk tier wrote into it (``DiskTier.note_write``: its written pages are
+        anonymous memory now, so it lives in RAM like any other written weight)."""
         if t.device.type != "cpu":
             return None
         storage = t.untyped_storage()
+        if _was_written(storage):
+            return None
         ptr, n = storage.data_ptr(), storage.nbytes()
         i = bisect.bisect_right(self._starts, ptr) - 1
         if n == 0 or i < 0:
@@ -440,6 +472,15 @@ class StagingRing:
         self._events: list[Any] = [None] * STAGING_COUNT
         self._next = 0
 
+    def release(self) -> None:
+        """Drop the buffers (after their copies completed); a later ``copy`` makes them again."""
+        for event in self._events:
+            if event is not None:
+                event.synchronize()
+        self._bufs = []
+        self._events = [None] * STAGING_COUNT
+        self._next = 0
+
     def _buffer(self, i: int) -> torch.Tensor:
         while len(self._bufs) <= i:
             self._bufs.append(torch.empty(self.chunk, dtype=torch.uint8).pin_memory())
@@ -514,6 +555,8 @@ class DiskTier:
         self._fp_free = 0
         self._loaded: set[int] = set()
         self._written: set[int] = set()
+        self._cow_bytes = 0  # this tier's share of ``stats.cow_bytes``
+        self._closed = False
         stats.staging_bytes = self.ring.nbytes
         self.reader: ReadAhead | None = ReadAhead(self, plan.staging_bytes) if read_ahead else None
 
@@ -612,14 +655,29 @@ class DiskTier:
         return self._fp_view(slot)
 
     def close(self) -> None:
-        """Stop the reader thread (``disable``)."""
+        """At ``disable``: stop the reader thread, free the staging ring and the
+        fingerprint buffers, and take this tier's gauges out of ``stats``
+        (``staging_bytes``, and the ``cow_bytes`` it counted), so a later ``enable``
+        starts from what it plans itself. Idempotent."""
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self._closed:
+            return
+        self._closed = True
+        self.ring.release()
+        self.stats.staging_bytes -= self.ring.nbytes
+        self.stats.cow_bytes -= self._cow_bytes
+        self._cow_bytes = 0
+        self._fp_views.clear()
+        self._fp_block, self._fp_free = None, 0
+        self._loaded.clear()
+        self._written.clear()
 
     def note_write(self, slot: Any) -> None:
         """``slot``'s host copy is about to be written (a write-back, a host replacement):
-        its private copy-on-write pages become anonymous memory, counted in ``cow_bytes``.
+        its private copy-on-write pages become anonymous memory, counted in ``cow_bytes``
+        until ``close`` (``disable``); a later plan counts that weight in RAM (``FileMaps``).
 
         Raises:
             HostBudgetError: those pages do not fit the budget with what is in RAM now
@@ -640,7 +698,9 @@ class DiskTier:
                 "weights"
             )
         self._written.add(id(slot))
+        self._cow_bytes += slot.nbytes
         self.stats.cow_bytes += slot.nbytes
+        _mark_written(slot.host)
 
 
 class ReadAhead:
@@ -654,23 +714,40 @@ class ReadAhead:
     kernel reads each page from the file), and the ``DiskTier.read_delay`` knob is slept
     there instead of in the load. A load of a slot being read waits for it.
 
+    The thread holds only a weak reference to its ``ReadAhead`` while it waits (and to
+    the tier it reads for, always): a pipeline and backend dropped without ``disable()``
+    are collected, weights and device memory included, and the thread then exits by
+    itself (a ``weakref.finalize`` of the reader wakes it). While it reads one slot it
+    holds that slot and the reader; the owner is collected once that read finishes.
+
     Args:
         tier: the disk tier.
         limit: bytes read ahead of the slot last loaded, at most.
     """
 
     def __init__(self, tier: DiskTier, limit: int) -> None:
-        self.tier = tier
+        self._tier = weakref.ref(tier)  # the tier holds the reader: no cycle to collect
         self.limit = max(limit, 1)
         self._next: dict[int, Any] = {}  # id(slot) -> the slot loaded after it last time
         self._last: Any = None
         self._queue: list[Any] = []
         self._busy: Any = None
         self._ready: set[int] = set()  # read ahead, not loaded since
-        self._cond = threading.Condition()
+        # reentrant: the finalizer that wakes the thread may run inside a collection the
+        # thread itself triggers while it holds the lock
+        self._cond = threading.Condition(threading.RLock())
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="diffusion-offload-reader", daemon=True)
+        self._thread = threading.Thread(
+            target=ReadAhead._run, args=(weakref.ref(self), self._cond),
+            name="diffusion-offload-reader", daemon=True,
+        )
+        weakref.finalize(self, ReadAhead._wake, self._cond)
         self._thread.start()
+
+    @property
+    def tier(self) -> DiskTier | None:
+        """The disk tier this reader reads for (None once it was collected)."""
+        return self._tier()
 
     def take(self, slot: Any) -> None:
         """Before ``slot``'s load: wait if it is being read; sleep the knob if it was not
@@ -686,8 +763,9 @@ class ReadAhead:
                 self._cond.wait()
             warm = key in self._ready
             self._ready.discard(key)
-        if not warm and self.tier.read_delay:
-            time.sleep(self.tier.read_delay * slot.nbytes)
+        delay = self._delay()
+        if not warm and delay:
+            time.sleep(delay * slot.nbytes)
 
     def after(self, slot: Any) -> None:
         """After ``slot``'s load: queue what followed it last time, up to ``limit`` bytes."""
@@ -706,27 +784,47 @@ class ReadAhead:
             ]
             self._cond.notify_all()
 
-    def _run(self) -> None:
+    def _delay(self) -> float:
+        tier = self._tier()
+        return tier.read_delay if tier is not None else 0.0
+
+    @staticmethod
+    def _wake(cond: threading.Condition) -> None:
+        """The finalizer of a collected reader: wake its thread, which then exits."""
+        with cond:
+            cond.notify_all()
+
+    @staticmethod
+    def _run(ref: "weakref.ReferenceType[ReadAhead]", cond: threading.Condition) -> None:
+        """The thread: a strong reference to the reader only while it takes or reads a
+        slot, none while it waits; returns once the reader is closed or collected."""
         while True:
-            with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
-                if self._stop:
-                    return
-                slot = self._busy = self._queue.pop(0)
+            with cond:
+                while True:
+                    reader = ref()
+                    if reader is None or reader._stop:
+                        return
+                    if reader._queue:
+                        break
+                    del reader
+                    cond.wait()
+                slot = reader._busy = reader._queue.pop(0)
             host = slot.host
             if host is not None and host.numel():
                 host[::4096].sum()  # one byte a page: the kernel reads every page
-            if self.tier.read_delay:
-                time.sleep(self.tier.read_delay * slot.nbytes)
-            with self._cond:
-                self._ready.add(id(slot))
-                self._busy = None
-                self._cond.notify_all()
+            delay = reader._delay()
+            if delay:
+                time.sleep(delay * slot.nbytes)
+            with cond:
+                reader._ready.add(id(slot))
+                reader._busy = None
+                cond.notify_all()
+            del reader, slot, host  # the owner may be collected while the thread waits
 
     def close(self) -> None:
-        """Stop the thread (it finishes the slot it is reading)."""
+        """Stop the thread (it finishes the slot it is reading) and wait for it to exit."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
