@@ -26,6 +26,12 @@ Families (``FAMILIES``):
 - ``"qwen-image-edit"``: ``QwenImageEditPipeline`` (``tiny_pipelines``' Qwen-Image transformer and
   Qwen2.5-VL text encoder, which also sees the input image, and ``Qwen2VLProcessor``); images
   ``(1, 64, 64, 3)``.
+- ``"kandinsky2.1-combined"``, ``"kandinsky2.1-img2img-combined"``, ``"kandinsky2.1-inpaint-combined"``,
+  ``"kandinsky2.2-combined"``, ``"kandinsky2.2-img2img-combined"``, ``"kandinsky2.2-inpaint-combined"``:
+  diffusers' Kandinsky ``...CombinedPipeline`` s, which nest a prior pipeline (``prior_prior``
+  ``PriorTransformer``, its CLIP text and image encoders) and a decoder pipeline (``unet``,
+  ``movq``; 2.1: the ``MultilingualCLIP`` text encoder) that share the combined pipeline's
+  components; called without a negative prompt, so the prior's image encoder runs too.
 """
 
 from __future__ import annotations
@@ -421,6 +427,156 @@ def _run_stable_cascade(pipe: Any) -> Any:
                 generator=_generator(), output_type="np").images
 
 
+# --------------------------------------------------------------------------- Kandinsky combined
+
+#: the width of every embedding of the tiny Kandinsky families: the prior's image embedding,
+#: its CLIP text and image encoders' projections, the decoder UNet's cross-attention
+_KANDINSKY_DIM = 16
+
+
+def _xlm_roberta_tokenizer() -> Any:
+    """A character-level Unigram ``XLMRobertaTokenizer`` (Kandinsky 2.1's decoder tokenizer)
+    with XLM-R's special ids (``<s>=0``, ``<pad>=1``, ``</s>=2``, ``<unk>=3``), whole-word
+    pieces for ``tiny_tokenizers``' words and ``<mask>`` last; 77 tokens at most."""
+    from transformers import XLMRobertaTokenizer
+
+    from .tiny_tokenizers import _WORDS
+
+    pieces: list[tuple[str, float]] = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    pieces += [(c, -8.0) for c in chars] + [("\u2581" + c, -7.0) for c in chars]
+    pieces += [("\u2581" + w, -4.0) for w in _WORDS if len(w) > 1] + [("<mask>", 0.0)]
+    return XLMRobertaTokenizer(vocab=pieces, model_max_length=77)
+
+
+def _kandinsky_prior_parts() -> dict[str, Any]:
+    """The ``prior_*`` components of a Kandinsky 2.1 / 2.2 combined pipeline: a one-layer
+    ``PriorTransformer`` (``clip_std`` set to ones, so the image embeddings are not all
+    zero), CLIP text and image encoders with projections, ``UnCLIPScheduler``."""
+    from diffusers import PriorTransformer, UnCLIPScheduler
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    dim = _KANDINSKY_DIM
+    tokenizer = clip_tokenizer()
+
+    def prior() -> Any:
+        model = PriorTransformer(num_attention_heads=2, attention_head_dim=8, embedding_dim=dim, num_layers=1)
+        torch.nn.init.ones_(model.clip_std)
+        return model.eval()
+
+    image_encoder = _seeded(lambda: CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=dim, projection_dim=dim, intermediate_size=32, num_attention_heads=2, num_hidden_layers=2,
+        image_size=32, patch_size=8, num_channels=3,
+    )).eval())
+    return {
+        "prior_prior": _seeded(prior),
+        "prior_image_encoder": image_encoder,
+        "prior_text_encoder": _clip_text(tokenizer, True, hidden=dim),
+        "prior_tokenizer": tokenizer,
+        "prior_scheduler": UnCLIPScheduler(variance_type="fixed_small_log", prediction_type="sample",
+                                           num_train_timesteps=1000, clip_sample=True, clip_sample_range=10.0),
+        "prior_image_processor": CLIPImageProcessor(crop_size=32, size=32),
+    }
+
+
+def _kandinsky_decoder_parts(version: str, in_channels: int) -> dict[str, Any]:
+    """The decoder components of a Kandinsky combined pipeline: a two-level UNet conditioned
+    on the prior's image embedding (2.1: and on ``MultilingualCLIP``'s text embedding, with
+    its XLM-R tokenizer), a spatial-norm ``VQModel`` (``movq``: 32 channels, as its
+    ``SpatialNorm`` s have 32 groups) and ``DDIMScheduler``.
+    ``in_channels``: 4 (text-to-image, img2img) or 9 (inpaint: latents, masked image, mask)."""
+    from diffusers import DDIMScheduler, UNet2DConditionModel, VQModel
+
+    dim = _KANDINSKY_DIM
+    conditioning: dict[str, Any] = (
+        {"addition_embed_type": "text_image", "encoder_hid_dim_type": "text_image_proj"} if version == "2.1"
+        else {"addition_embed_type": "image", "encoder_hid_dim_type": "image_proj"}
+    )
+    unet = _seeded(lambda: UNet2DConditionModel(
+        in_channels=in_channels, out_channels=8, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+        up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+        mid_block_type="UNetMidBlock2DSimpleCrossAttn", encoder_hid_dim=dim, cross_attention_dim=dim,
+        attention_head_dim=4, resnet_time_scale_shift="scale_shift", class_embed_type=None, norm_num_groups=8,
+        **conditioning,
+    ))
+    movq = _seeded(lambda: VQModel(
+        block_out_channels=[32, 32], down_block_types=["DownEncoderBlock2D", "AttnDownEncoderBlock2D"],
+        in_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=8, norm_type="spatial",
+        num_vq_embeddings=12, out_channels=3, up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"],
+        vq_embed_dim=4,
+    ))
+    scheduler = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=0.00085,
+                              beta_end=0.012, clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    parts: dict[str, Any] = {"unet": unet, "movq": movq, "scheduler": scheduler}
+    if version == "2.1":
+        from diffusers.pipelines.kandinsky.text_encoder import MCLIPConfig, MultilingualCLIP
+
+        tokenizer = _xlm_roberta_tokenizer()
+        config = MCLIPConfig(
+            transformerDimSize=dim, imageDimSize=dim, vocab_size=len(tokenizer), hidden_size=dim,
+            intermediate_size=32, num_attention_heads=2, num_hidden_layers=2, max_position_embeddings=80,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
+        )
+        parts["text_encoder"] = _seeded(lambda: MultilingualCLIP(config).eval())
+        parts["tokenizer"] = tokenizer
+    return parts
+
+
+#: family name -> (diffusers class name, Kandinsky version, decoder UNet input channels)
+_KANDINSKY_COMBINED: dict[str, tuple[str, str, int]] = {
+    "kandinsky2.1-combined": ("KandinskyCombinedPipeline", "2.1", 4),
+    "kandinsky2.1-img2img-combined": ("KandinskyImg2ImgCombinedPipeline", "2.1", 4),
+    "kandinsky2.1-inpaint-combined": ("KandinskyInpaintCombinedPipeline", "2.1", 9),
+    "kandinsky2.2-combined": ("KandinskyV22CombinedPipeline", "2.2", 4),
+    "kandinsky2.2-img2img-combined": ("KandinskyV22Img2ImgCombinedPipeline", "2.2", 4),
+    "kandinsky2.2-inpaint-combined": ("KandinskyV22InpaintCombinedPipeline", "2.2", 9),
+}
+
+
+def _kandinsky_combined(name: str) -> Callable[[], Any]:
+    cls_name, version, in_channels = _KANDINSKY_COMBINED[name]
+
+    def build() -> Any:
+        import diffusers
+
+        parts = {**_kandinsky_decoder_parts(version, in_channels), **_kandinsky_prior_parts()}
+        return getattr(diffusers, cls_name)(**parts)
+
+    return build
+
+
+def _kandinsky_inputs(name: str) -> dict[str, Any]:
+    """The input image (img2img, inpaint: 32 x 32 RGB noise) and mask (inpaint: the upper
+    left quarter, as a ``(32, 32)`` float array) of a Kandinsky combined family."""
+    import numpy as np
+    from PIL import Image
+
+    out: dict[str, Any] = {}
+    if "img2img" in name or "inpaint" in name:
+        pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(1)) * 255).to(torch.uint8)
+        out["image"] = Image.fromarray(pixels.numpy())
+    if "img2img" in name:
+        out["strength"] = 0.5
+    if "inpaint" in name:
+        mask = np.zeros((32, 32), dtype=np.float32)
+        mask[:16, :16] = 1.0
+        out["mask_image"] = mask
+    return out
+
+
+def _run_kandinsky_combined(name: str) -> Callable[[Any], Any]:
+    def run(pipe: Any) -> Any:
+        # no negative prompt: the prior then encodes a zero image with its image encoder
+        # for the negative image embedding, so every component runs
+        steps = 4 if "img2img" in name else 2  # strength 0.5: two denoising steps
+        return pipe(prompt="a cat", height=32, width=32, num_inference_steps=steps, guidance_scale=4.0,
+                    prior_num_inference_steps=2, prior_guidance_scale=4.0, generator=_generator(),
+                    output_type="np", **_kandinsky_inputs(name)).images
+
+    return run
+
+
 # --------------------------------------------------------------------------- Qwen-Image-Edit
 
 
@@ -480,4 +636,5 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     "flux2-klein": (_build_flux2_klein, _run_flux2_klein),
     "stable-cascade": (_build_stable_cascade, _run_stable_cascade),
     "qwen-image-edit": (_build_qwen_image_edit, _run_qwen_image_edit),
+    **{name: (_kandinsky_combined(name), _run_kandinsky_combined(name)) for name in _KANDINSKY_COMBINED},
 }
