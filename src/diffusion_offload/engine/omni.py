@@ -32,7 +32,8 @@ from .requests import (
 )
 from .trace import TraceRecorder
 
-__all__ = ["Omni", "build_omni", "check_peft", "parse_dtype", "pick_device"]
+__all__ = ["LIBRARY_LOGGERS", "Omni", "build_omni", "check_peft", "detach_library_tracebacks",
+           "parse_dtype", "pick_device"]
 
 logger = logging.getLogger("diffusion_offload")
 
@@ -41,6 +42,77 @@ AUTO_PREFIX = "diffusion_offload_config='auto': "  # how the planner's FitError 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _STAGES = ("text_encoding", "denoising", "decoding")
+
+
+LIBRARY_LOGGERS = (
+    "accelerate", "bitsandbytes", "diffusers", "huggingface_hub", "kernels", "optimum", "peft",
+    "safetensors", "torch", "torchao", "transformers",
+)
+"""The libraries whose log records ``detach_library_tracebacks`` keeps frame-free (by
+logger name: the name or a child of it)."""
+
+
+class _Detached:
+    """An exception argument of a log record, as text: formats as the exception did
+    (``%s`` and ``%r``), without its traceback."""
+
+    __slots__ = ("_str", "_repr")
+
+    def __init__(self, exc: BaseException) -> None:
+        self._str, self._repr = str(exc), repr(exc)
+
+    def __str__(self) -> str:
+        return self._str
+
+    def __repr__(self) -> str:
+        return self._repr
+
+
+def _detach(record: logging.LogRecord) -> logging.LogRecord:
+    """Drop what keeps frames alive from a library's ``record``: exception arguments become
+    their text (``_Detached``), ``exc_info`` its formatted ``exc_text``."""
+    args = record.args
+    if isinstance(args, tuple) and any(isinstance(a, BaseException) for a in args):
+        record.args = tuple(_Detached(a) if isinstance(a, BaseException) else a for a in args)
+    elif isinstance(args, Mapping) and any(isinstance(a, BaseException) for a in args.values()):
+        record.args = {k: _Detached(a) if isinstance(a, BaseException) else a for k, a in args.items()}
+    if record.exc_info and record.exc_info[2] is not None:
+        if not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        record.exc_info = None
+    return record
+
+
+_detach_lock = threading.Lock()
+
+
+def detach_library_tracebacks() -> None:
+    """Make the log records of ``LIBRARY_LOGGERS`` keep no frames, in this process, from now
+    on (idempotent; wraps ``logging``'s record factory, whichever it is).
+
+    bitsandbytes logs, at its import, a warning whose argument is the exception its
+    optional kernel download raised (offline); its traceback keeps every frame above the
+    import, those loading a pipeline included. A handler that keeps records (pytest's log
+    capture, ``logging.handlers.MemoryHandler``, a shipper that formats later) then keeps
+    a closed engine's weights and their device memory. Such records keep their text: an
+    exception argument formats as it did (``%s``, ``%r``), an ``exc_info`` traceback is
+    formatted once into ``exc_text``, which ``logging.Formatter`` prints the same way.
+    Records of other loggers (the application's, this package's) are left as they are.
+    """
+    with _detach_lock:
+        previous = logging.getLogRecordFactory()
+        if getattr(previous, "_diffusion_offload_detach", False):
+            return
+
+        def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = previous(*args, **kwargs)
+            name = record.name
+            if any(name == lib or name.startswith(lib + ".") for lib in LIBRARY_LOGGERS):
+                _detach(record)
+            return record
+
+        factory._diffusion_offload_detach = True  # type: ignore[attr-defined]
+        logging.setLogRecordFactory(factory)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype:
@@ -231,6 +303,7 @@ class Omni:
         host_memory_budget: int | str | None = None,
     ) -> None:
         start = time.perf_counter()
+        detach_library_tracebacks()  # before any library is imported or loads weights
         self._lock = threading.RLock()
         auto = isinstance(diffusion_offload_config, str) and diffusion_offload_config == "auto"
         if auto and enable_cpu_offload:
@@ -306,8 +379,8 @@ class Omni:
         self._load_loras(loras)  # while offloaded: picked up at the next activation
         from ..core.discovery import discover_components
 
-        roles = {c.name: (c.module, c.role) for c in discover_components(self.pipeline, self.component_roles)}
-        self._timer = _StageTimer(roles)
+        self._timer = _StageTimer({c.name: (c.module, c.role)  # no local keeps the modules
+                                   for c in discover_components(self.pipeline, self.component_roles)})
         self.tracer: TraceRecorder | None = None
         if trace:
             self.tracer = TraceRecorder()
@@ -390,7 +463,10 @@ class Omni:
         except FitError as exc:
             return f"the planner predicts that {str(exc).removeprefix(AUTO_PREFIX)}"
         except Exception:  # noqa: BLE001 - advice only: fall back to the resting footprints
-            logger.debug("the planner could not advise on the fit", exc_info=True)
+            if logger.isEnabledFor(logging.DEBUG):  # as text: a kept record keeps no frames
+                import traceback
+
+                logger.debug("the planner could not advise on the fit:\n%s", traceback.format_exc())
             return None
         flags = f"--diffusion-offload-config '{choice.config.to_json()}'" if choice.config else "no offload"
         if choice.budget is not None:
