@@ -31,6 +31,7 @@ import torch
 from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend, parse_diffusion_offload_config
 from diffusion_offload.core.backends.execution_device import follow_offload, offload_device
 from diffusion_offload.core.caches import clear_method_caches
+from diffusion_offload.core.discovery import diffusers_role
 from diffusion_offload.testing import fake_accelerator, tiny_families
 from diffusion_offload.testing.pipeline_matrix import FAMILIES, weight_bytes
 from diffusion_offload.testing.pytest_plugin import requires_fake
@@ -40,11 +41,13 @@ pytestmark = [requires_fake, pytest.mark.filterwarnings("ignore")]
 #: the combined families of the compatibility matrix
 COMBINED = [name for name, fam in FAMILIES.items() if fam.pipeline.endswith("CombinedPipeline")]
 
-#: mode -> the backend's config and keyword arguments (``"half"``: half the weight bytes)
+#: mode -> the backend's config and keyword arguments (budgets: ``"half"``, half the weight
+#: bytes; ``"half the DiTs"``, every weight byte but half the DiTs': module mode keeps the
+#: encoders resident, so the budget leaves them room)
 MODES: dict[str, tuple[Any, dict[str, Any]]] = {
     "module": ({"mode": "module", "components": ["dit"]}, {}),
     "module+text_encoder": ({"mode": "module", "components": ["dit", "text_encoder"]}, {}),
-    "module-budget": ({"mode": "module", "components": ["dit"]}, {"device_memory_budget": "half"}),
+    "module-budget": ({"mode": "module", "components": ["dit"]}, {"device_memory_budget": "half the DiTs"}),
     "legacy": (None, {}),
     "legacy-budget": (None, {"device_memory_budget": "half"}),
     "layer": ({"mode": "layer", "components": ["dit"]}, {}),
@@ -61,9 +64,25 @@ def test_every_combined_pipeline_family_is_in_the_matrix():
     ]
 
 
+def _dit_bytes(pipe: Any) -> int:
+    seen: dict[int, int] = {}
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module) and diffusers_role(name) == "dit":
+            for t in [*module.parameters(), *module.buffers()]:
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _budget(spec: str, pipe: Any) -> int:
+    if spec == "half":
+        return weight_bytes(pipe) // 2
+    assert spec == "half the DiTs"
+    return weight_bytes(pipe) - _dit_bytes(pipe) // 2
+
+
 def _backend(mode: str, pipe: Any, device: torch.device) -> Any:
     config, kwargs = MODES[mode]
-    kwargs = {k: weight_bytes(pipe) // 2 if v == "half" else v for k, v in kwargs.items()}
+    kwargs = {k: _budget(v, pipe) if k == "device_memory_budget" else v for k, v in kwargs.items()}
     if config is None:
         config = parse_diffusion_offload_config(None, enable_cpu_offload=True)
     cls = LayerwiseOffloadBackend if mode == "layer" else ModelLevelOffloadBackend
@@ -214,6 +233,35 @@ def test_a_combined_pipeline_loaded_back_runs_twice_under_the_legacy_switch(fake
             assert np.array_equal(_run(family, pipe), ref), request
             assert backend.audit() == []
             assert _sides(pipe.prior_prior) == _sides(pipe.prior_text_encoder) == {"cpu"}
+    finally:
+        backend.disable()
+
+
+def test_the_stable_cascade_prior_alone_runs_twice_under_a_budget(fake_device):
+    """``StableCascadePriorPipeline`` on its own (the combined family's prior pipeline) under
+    the legacy switch with a budget of half its weight bytes: its modules leave the device
+    between requests, and each request's image embeddings equal the all-resident ones."""
+    _no_device_memory_left()
+
+    def prior() -> Any:
+        return tiny_families.build("stable-cascade").prior_pipe
+
+    def run(pipe: Any) -> torch.Tensor:
+        return _quiet(lambda: pipe(prompt="a cat", negative_prompt="blurry", height=128, width=128,
+                                   num_inference_steps=2, guidance_scale=4.0, output_type="pt",
+                                   generator=torch.Generator("cpu").manual_seed(0)).image_embeddings)
+
+    ref = run(prior().to(fake_device)).cpu()
+    pipe = prior().to(fake_device)
+    pipe.set_progress_bar_config(disable=True)
+    backend = _backend("legacy-budget", pipe, fake_device)
+    backend.enable(pipe)
+    try:
+        assert backend.policy.budget == weight_bytes(pipe) // 2
+        for request in range(2):
+            assert torch.equal(run(pipe).cpu(), ref), request
+            assert backend.audit() == []
+            assert pipe._execution_device == fake_device
     finally:
         backend.disable()
 
