@@ -115,17 +115,20 @@ def _run(folder: str, kind: str, config: dict, capacity: int, requests: int) -> 
         fake_accelerator.set_capacity(None)
 
 
-@pytest.mark.slow  # 28 runs of ~4 s: in .ci/run, not the README's command
+@pytest.mark.slow  # 32 runs of 2-3 requests: in .ci/run, not the README's command
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_predicted_peak_bounds_the_measured_one(kind, name, folders, plans, fake_device):
+def test_predicted_peak_bounds_the_measured_one(kind, name, folders, plans, fake_device, caplog):
     probe = _row(plans(kind, 1 << 40), name)
     assert probe is not None, f"{kind}: no row {name!r}"
     rows = plans(kind, probe.peak_bytes)
     row = next(r for r in rows if r.name == probe.name)
     assert row.fits and row.peak_bytes == probe.peak_bytes
-    # a layer budget keeps its blocks from the second request on: steady by the third
-    requests = 3 if name == "layer dit+text_encoder + budget" else 1
+    # the plan is the steady state: what a request leaves on the device (Qwen-Image's
+    # rotary tables, moved there by the DiT's first forward) is there from the second
+    # request on; a layer budget keeps its blocks from the second request on: steady by
+    # the third
+    requests = 3 if name == "layer dit+text_encoder + budget" else 2
     measured = _run(folders(kind), kind, row.config, row.peak_bytes, requests=requests)
     assert measured <= row.peak_bytes, (kind, name, measured, row.peak_bytes)
     assert row.peak_bytes <= MARGIN * measured, (kind, name, measured, row.peak_bytes)
@@ -139,8 +142,19 @@ def test_predicted_peak_bounds_the_measured_one(kind, name, folders, plans, fake
         measured = _run(folders(kind), kind, small.config, too_small, requests=requests)
         assert measured <= small.peak_bytes
         return
+    if row.config["diffusion_offload_config"] and row.config["diffusion_offload_config"]["mode"] == "layer":
+        # layer mode recovers from an out-of-memory error by dropping the prefetched block
+        # (streamer.py): below the plan it runs only that way, never as planned
+        with caplog.at_level(logging.INFO, logger="diffusion_offload"):
+            try:
+                _run(folders(kind), kind, row.config, too_small, requests=requests)
+            except (torch.OutOfMemoryError, FitError):
+                return
+        retried = [r for r in caplog.records if "retrying without prefetch" in r.getMessage()]
+        assert retried, (kind, name, "ran below the plan with prefetch")
+        return
     with pytest.raises((torch.OutOfMemoryError, FitError)):
-        _run(folders(kind), kind, row.config, too_small, requests=1)
+        _run(folders(kind), kind, row.config, too_small, requests=requests)
 
 
 @pytest.mark.parametrize("kind", ["wan2.2", "qwen-image"])

@@ -11,12 +11,14 @@ garbage collected. Parameters and tensors made before the mode started are not c
 The memory model follows the device kind (:data:`DEVICE_KINDS`), because attention kernels
 differ in what they allocate:
 
-* ``cuda`` (also ROCm), ``xpu``, ``npu``: ``scaled_dot_product_attention`` runs a fused
+* ``cuda`` (also ROCm), ``xpu``, ``npu``, ``fakegpu``: ``scaled_dot_product_attention`` runs a fused
   memory-efficient kernel (flash / memory-efficient attention): it allocates the output
   ``(B, H, Lq, Dv)`` and a float32 log-sum-exp ``(B, H, Lq)``, never the ``Lq x Lk`` score
-  matrix. Modelled by intercepting ``F.scaled_dot_product_attention``.
-* ``fakegpu``, ``mps``: the math kernel (``aten::_scaled_dot_product_attention_math``, what
-  torch 2.13 picks for the fake device and for the meta device): half-precision inputs are
+  matrix. Modelled by intercepting ``F.scaled_dot_product_attention``. The fake device
+  (``testing.fake_accelerator``) runs the op without gradient as one device op whose only
+  device allocation is the output, as a fused kernel's (its log-sum-exp stays on the host).
+* ``mps``: the math kernel (``aten::_scaled_dot_product_attention_math``, what torch 2.13
+  picks for the meta device): half-precision inputs are
   upcast to float32, the scaled query, the ``(B, H, Lq, Lk)`` scores and their softmax
   are materialised. Measured by letting the meta device run that very decomposition.
 * ``cpu``: torch 2.13's CPU dispatcher picks ``_scaled_dot_product_flash_attention_for_cpu``
@@ -46,7 +48,7 @@ __all__ = ["DEVICE_KINDS", "LiveBytes", "attention_model", "describe_memory_mode
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "xpu", "npu", "mps", "fakegpu", "cpu")
 """Device kinds the planner has a memory model for (``--device-kind``)."""
 
-_EFFICIENT: tuple[str, ...] = ("cuda", "xpu", "npu", "cpu")
+_EFFICIENT: tuple[str, ...] = ("cuda", "xpu", "npu", "fakegpu", "cpu")
 
 
 def efficient_attention_kinds() -> tuple[str, ...]:

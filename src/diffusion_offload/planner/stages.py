@@ -369,6 +369,7 @@ def _sd3(pm: PlanModel, req: Request, run: _Run) -> None:
     length = req.max_sequence_length or 256
     cfg = True if req.cfg is None else req.cfg
     encoded = []
+    held = []  # encode_prompt's locals: the prompt's stay alive while the negative is encoded
     for _ in range(2 if cfg else 1):
         clips = []
         for name in ("text_encoder", "text_encoder_2"):
@@ -397,8 +398,10 @@ def _sd3(pm: PlanModel, req: Request, run: _Run) -> None:
         clip_embeds = torch.nn.functional.pad(clip_embeds, (0, t5_embeds.shape[-1] - clip_embeds.shape[-1]))
         embeds = torch.cat([clip_embeds, t5_embeds], dim=-2)
         pooled = torch.cat([clips[0][1], clips[1][1]], dim=-1)
+        held.append((clips, clip_embeds, t5_embeds))
         del clips, clip_embeds, t5_embeds
         encoded.append((embeds, pooled))
+    del held  # encode_prompt returns
     if cfg:
         embeds = torch.cat([encoded[1][0], encoded[0][0]], dim=0)
         pooled = torch.cat([encoded[1][1], encoded[0][1]], dim=0)
@@ -715,7 +718,30 @@ def measure_request(pm: PlanModel, req: Request, device_kind: str) -> StageRepor
         blocks.remove()
     report = run.finish()
     # what a request leaves on the device (the scheduler's last model outputs and sample,
-    # its timesteps, models' caches) is still there while the next request runs
-    report.leftover = tracker.now
-    report.segments = [(name, peak + tracker.now) for name, peak in report.segments]
+    # its timesteps, models' caches, tensor attributes a forward moved there) is still
+    # there while the next request runs
+    report.leftover = tracker.now + sum(_attribute_tensor_bytes(pm.modules[name]) for name in report.used)
+    report.segments = [(name, peak + report.leftover) for name, peak in report.segments]
     return report
+
+
+def _attribute_tensor_bytes(module: Any) -> int:
+    """Bytes of the tensors ``module``'s submodules hold as plain attributes (neither
+    parameters nor buffers, so offload does not move them).
+
+    Assumed to reach the device at the first forward and to stay there from then on,
+    whatever the component's residency: the one such case in the supported families is
+    diffusers' ``QwenEmbedRope`` (``pos_freqs``/``neg_freqs``, two complex64 rotary
+    tables), whose ``_get_device_freqs`` method cache keeps their device copies. The
+    tables were made before the replay and the cache copies nothing on the meta device,
+    so :class:`LiveBytes` does not see them. 0 for what is not an ``nn.Module``.
+    """
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    total = 0
+    for sub in module.modules():
+        own = {id(t) for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None}
+        for value in vars(sub).values():
+            if isinstance(value, torch.Tensor) and id(value) not in own:
+                total += value.numel() * value.element_size()
+    return total
