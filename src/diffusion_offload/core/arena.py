@@ -9,16 +9,13 @@ are packed into arenas of at most ``ARENA_BYTES`` each when the backend is enabl
 views of one allocation, freed together, instead of one copy and one allocation per
 tensor. A slot larger than ``ARENA_BYTES`` gets an arena of its own.
 
-The write check of a loaded arena reads its device bytes as a grid of 64-bit words,
-``rows x cols`` (``grid``), and sums each row and each column (``sums``, modulo 2**64):
-two reductions, whatever the number of tensors in it, and one copy of the sums (about
-``16 * sqrt(bytes / 8)`` bytes) back to the host. A change of one word changes a row
-sum and a column sum; any change confined to one row or one column of the grid, and any
-swap of two different words within one, changes at least one sum (a row's words are
-contiguous bytes: a swap inside one tensor's row is one of these). A change is missed only
-when every row's and every column's differences vanish modulo 2**64 (a rectangle of
-``+d, -d, -d, +d``, for example). The sums are exact integer arithmetic, so host and device
-compute equal values.
+The write check of a loaded arena hashes its device bytes with weighted byte sums
+(``checksum.weighted_sums``: one integer matrix product, two with a cover of the last
+bytes, whatever the number of tensors in it) and copies the sums (``32`` bytes per grid
+row of about ``2 * sqrt(bytes)`` bytes) back to the host. Any change that does not depend
+on the process's random weights is missed with probability at most ``2**-64``
+(``checksum``: permutations, swaps and sign flips included); the sums are exact integer
+arithmetic, so host and device compute equal values.
 
 Sources: CUDA's caching allocator hands out 512-byte aligned blocks and vectorized kernels
 want 16-byte aligned operands (PyTorch's CUDA loops vectorize up to 16 bytes), hence
@@ -28,12 +25,13 @@ fails on some drivers: vllm-omni #2748).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "ARENA_BYTES", "Arena", "device_bytes", "grid", "layout", "sums"]
+from . import checksum
+
+__all__ = ["ALIGN", "ARENA_BYTES", "Arena", "device_bytes", "layout"]
 
 ALIGN = 16
 """Byte alignment of every host copy inside an arena (and of the arena's end)."""
@@ -80,36 +78,6 @@ def device_bytes(sizes: list[int], limit: int = ARENA_BYTES) -> int:
     return sum(n for _, _, n in layout(sizes, limit))
 
 
-def grid(nbytes: int) -> tuple[int, int, int]:
-    """The ``(rows, cols, tail)`` grid of 64-bit words that ``sums`` reads an arena of
-    ``nbytes`` (a multiple of 8) as: ``rows * cols + tail`` words, ``cols`` a divisor of
-    the word count within a factor 2 below its square root when there is one (then
-    ``tail == 0``), else ``isqrt`` of it with the leftover words (fewer than ``cols``) as
-    ``tail``: about ``2 * sqrt(words)`` sums either way."""
-    n = nbytes // 8
-    if n == 0:
-        return 0, 0, 0
-    root = math.isqrt(n)
-    for cols in range(root, max(1, root // 2) - 1, -1):
-        if n % cols == 0:
-            return n // cols, cols, 0
-    return n // root, root, n - (n // root) * root
-
-
-def sums(buf: torch.Tensor, shape: tuple[int, int, int], out: torch.Tensor) -> None:
-    """Write the row sums, column sums and tail words of ``buf`` (a flat ``uint8`` tensor,
-    host or device) read as the ``shape`` grid (``grid``) into ``out`` (``int64``,
-    ``rows + cols + tail`` elements, same device): two reductions and, with a tail, one
-    copy; modulo 2**64, no full-size temporary, no host synchronisation."""
-    rows, cols, tail = shape
-    words = buf.view(torch.int64)
-    body = words[: rows * cols].view(rows, cols)
-    torch.sum(body, dim=1, out=out[:rows])
-    torch.sum(body, dim=0, out=out[rows : rows + cols])
-    if tail:
-        out[rows + cols :].copy_(words[rows * cols :])
-
-
 class Arena:
     """One host buffer holding several slots' host copies, and what its loads need.
 
@@ -125,12 +93,12 @@ class Arena:
             shape) leaves, its bytes stay as padding.
         offsets: ``id(slot)`` -> the slot's byte offset in ``host``.
         nbytes: the buffer's size in bytes (a multiple of ``ALIGN``).
-        shape: the ``grid`` the write check reads it as.
+        shape: the layout the write check reads it as (``checksum.shape``).
         device_key: while the arena is loaded whole, ``Platform.storage_key`` of its
             device allocation (not a reference: the allocation lives as long as the
             tensors that view it); None otherwise.
         checked: ``loaded_sums`` holds the sums of this load's device bytes (``checks.record``).
-        loaded_sums: host ``int64`` buffer (pinned when possible) the device's sums are
+        loaded_sums: host ``int32`` buffer (pinned when possible) the device's sums are
             copied into, without a host wait, after each load.
         host_sums: the sums of ``host`` computed on the host, or None until needed (and
             after a write into ``host``).
@@ -147,7 +115,7 @@ class Arena:
         self.nbytes = host.numel()
         self.slots: list[Any] = []
         self.offsets: dict[int, int] = {}
-        self.shape = grid(self.nbytes)
+        self.shape = checksum.shape(self.nbytes)
         self.device_key: int | None = None
         self.checked = False
         self.loaded_sums: torch.Tensor | None = None
@@ -155,8 +123,8 @@ class Arena:
 
     @property
     def sum_words(self) -> int:
-        """Elements ``sums`` writes: rows + cols + tail."""
-        return sum(self.shape)
+        """``int32`` elements of the arena's check sums (``checksum.size``)."""
+        return checksum.size(self.shape, self.nbytes)
 
     def add(self, slot: Any, offset: int) -> torch.Tensor:
         """Place ``slot`` at ``offset``; return its span of ``host``."""
@@ -196,8 +164,8 @@ class Arena:
     def reference_on_host(self) -> torch.Tensor:
         """``host_sums``, computed on the host now if not known (a pass over the arena)."""
         if self.host_sums is None:
-            out = torch.empty(self.sum_words, dtype=torch.int64)
-            sums(self.host, self.shape, out)
+            out = torch.empty(self.sum_words, dtype=torch.int32)
+            checksum.weighted_sums(self.host, self.shape, out, checksum.weights(self.shape[1]))
             self.host_sums = out
         return self.host_sums
 

@@ -1,8 +1,9 @@
 """Device write checks: which resident members differ from their host copies when they
 leave the device.
 
-Right after an arena is loaded whole, ``record`` computes the row and column sums of its
-device bytes (``arena.sums``: two reductions, however many tensors it holds) and copies
+Right after an arena is loaded whole, ``record`` computes the weighted byte sums of its
+device bytes (``checksum.weighted_sums``: one or two integer matrix products, however
+many tensors it holds; a missed change has probability at most ``2**-64``) and copies
 them to a pinned host buffer without waiting (``Arena.loaded_sums``): nothing is kept on
 the device, so device memory is exactly the tensors' arenas. When the members leave,
 ``changed`` computes the same sums again and reads them back: one copy, one host wait,
@@ -27,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from .arena import Arena, sums
+from . import checksum
+from .arena import Arena
 from .platform import Platform
 from .stats import TransferStats
 from .transfer import Member, TensorSlot
@@ -47,20 +49,31 @@ def record(stats: TransferStats, arena: Arena, payload: torch.Tensor, platform: 
     """
     with torch.inference_mode(False), torch.no_grad():
         if arena.loaded_sums is None:
-            buf = torch.empty(arena.sum_words, dtype=torch.int64)
+            buf = torch.empty(arena.sum_words, dtype=torch.int32)
             if platform.supports_pinning:
                 try:
                     buf = buf.pin_memory()
                 except RuntimeError:
                     pass  # pageable: the copy is then synchronous, still correct
             arena.loaded_sums = buf
-        now = torch.empty(arena.sum_words, dtype=torch.int64, device=platform.device)
-        sums(arena.allocation(payload), arena.shape, now)
+        now = torch.empty(arena.sum_words, dtype=torch.int32, device=platform.device)
+        w = device_weights(stats, platform, arena.shape[1])
+        checksum.weighted_sums(arena.allocation(payload), arena.shape, now, w)
         arena.loaded_sums.copy_(now, non_blocking=True)
     arena.checked = True
     stats.fingerprints += 1
     stats.fingerprint_bytes += arena.nbytes
-    stats.check_d2h_bytes += 8 * arena.sum_words
+    stats.check_d2h_bytes += 4 * arena.sum_words
+
+
+def device_weights(stats: TransferStats, platform: Platform, width: int) -> torch.Tensor:
+    """``checksum.device_weights`` for a check of grid ``width`` bytes, counted in
+    ``stats.check_h2d_bytes``; an empty tensor for ``width == 0`` (small arenas are read
+    back as they are: no weights)."""
+    if width == 0:
+        return torch.empty((0, checksum.COLUMNS), dtype=torch.int8, device=platform.device)
+    stats.check_h2d_bytes += width * checksum.COLUMNS
+    return checksum.device_weights(platform.device, width)
 
 
 Recorded = Callable[[TensorSlot], "torch.Tensor | None"]
@@ -92,6 +105,8 @@ def compare_with_host(
             todo = [p for p, k in zip(comparable, known) if k is None]
             computed = iter(fingerprints([s.view(s.host, m) for s, m in todo]).tolist())
             host = [next(computed) if k is None else k for k in known]
+    if comparable:  # the device fingerprints' weights (``writes.fingerprints``)
+        stats.check_h2d_bytes += checksum.COLUMNS * max(checksum.shape(m.nbytes)[1] for _, m in comparable)
     stats.fingerprints += len(comparable)
     stats.fingerprint_bytes += sum(m.nbytes for _, m in comparable)
     stats.check_d2h_bytes += 8 * len(comparable)
@@ -153,15 +168,18 @@ def changed(
     suspect = [k for k, (slot, _) in enumerate(pairs) if id(slot.arena) not in live_ids]
     if live:
         with torch.inference_mode(False), torch.no_grad():
-            now = torch.empty(sum(a.sum_words for a in live), dtype=torch.int64, device=platform.device)
+            now = torch.empty(sum(a.sum_words for a in live), dtype=torch.int32, device=platform.device)
+            w = device_weights(stats, platform, max(a.shape[1] for a in live))
             start = 0
             for a in live:
-                sums(a.allocation(payload_of_arena[id(a)]), a.shape, now[start : start + a.sum_words])
+                checksum.weighted_sums(
+                    a.allocation(payload_of_arena[id(a)]), a.shape, now[start : start + a.sum_words], w
+                )
                 start += a.sum_words
             now_host = now.cpu()  # the one host wait (after any recorded copy on this stream)
             stats.fingerprints += len(live)
             stats.fingerprint_bytes += sum(a.nbytes for a in live)
-            stats.check_d2h_bytes += 8 * now.numel()
+            stats.check_d2h_bytes += 4 * now.numel()
             bad: set[int] = set()
             start = 0
             for a in live:

@@ -26,12 +26,15 @@ class TransferStats:
         transfer_seconds: wall seconds spent in loads and evictions, synchronize included.
         fingerprint_bytes: device bytes read by write checks (``checks.LoadCheck``: at
             load and when leaving the device).
-        fingerprints: write-check sums computed on the device: one per arena (its row and
-            column sums) or per member fingerprinted one by one, at load and when leaving.
+        fingerprints: write-check sums computed on the device: one per arena (its
+            weighted byte sums, ``checksum``) or per member fingerprinted one by one, at
+            load and when leaving.
         check_d2h_bytes: bytes copied back to the host to decide whether weights changed:
-            8 per member compared with its host copy, and one byte per sum when a
-            comparison on the device differs (the comparison's own answer, ``torch.equal``,
-            is a host wait but no copy). Not weight bytes.
+            an arena's sums (4 bytes each) and 8 per member compared with its host copy.
+            Not weight bytes.
+        check_h2d_bytes: bytes of the checks' weights copied to the device
+            (``checks.device_weights``: 8 per byte of grid width, once per check). Not
+            weight bytes.
         device_checks: write checks decided on the device when weights left it: one
             comparison read back (a host wait) each, plus per-member read-backs when it
             differs.
@@ -64,6 +67,7 @@ class TransferStats:
     fingerprint_bytes: int = 0
     fingerprints: int = 0
     check_d2h_bytes: int = 0
+    check_h2d_bytes: int = 0
     device_checks: int = 0
     host_write_waits: int = 0
     prefetches: int = 0
