@@ -7,11 +7,13 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``platform``: one ``Platform`` per device kind (streams, events, pinning, memory queries).
 - ``caches``: clearing the method caches that keep a pipeline's device tensors alive.
 - ``hostmem``: host memory: pinning in place, what the host has.
+- ``checksum``: weighted byte sums, the write check's hash (one int8 matrix product).
 - ``writes``: write detection: fingerprints of a tensor's bytes, its host-visible write state.
 - ``quantized``: the plain tensors that carry each weight (quantized formats), refusals.
 - ``arena``: host arenas: many host copies in one buffer, one H2D copy per arena.
 - ``stats``: ``TransferStats``, the engine's counters.
 - ``transfer``: moving weights (``Mover``, ``Transaction``, ``TensorSlot``).
+- ``readahead``: the disk tier's reader thread (``ReadAhead``): reads ahead of loads.
 - ``tiers``: the host-memory budget and its tiers (pinned, pageable, disk): ``"auto"``,
   file-backed weights, the staging ring.
 - ``weights_from``: file-backing the weights of a pipeline built elsewhere from its folder.
