@@ -218,6 +218,39 @@ def test_weights_that_cannot_be_file_backed_over_the_budget_fail_enable(small_wa
     assert all(p.device.type == "cpu" for p in pipe.transformer.parameters())
 
 
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_weights_on_the_device_at_enable_count_in_the_budget(mode, small_wan, fake_device):
+    """Issue 38 item 4: a component placed on the device before ``enable`` gets host
+    copies at its first eviction; they are RAM only, so the tier plan counts them: over
+    the budget ``enable`` refuses and nothing is changed; within it they are planned."""
+    directory, dit_bytes = small_wan
+    pipe = _load(directory)
+    pipe.transformer.to(fake_device)
+    dit = [(n, p.detach().clone()) for n, p in pipe.transformer.named_parameters()]
+    # what gets host copies: the whole DiT in module mode (rotary buffers too), its blocks
+    # in layer mode (the trunk stays resident)
+    moved = pipe.transformer if mode == "module" else pipe.transformer.blocks
+    tensors = [*moved.parameters(), *moved.buffers()]
+    on_device = sum(t.numel() * t.element_size() for t in tensors)
+    backend = _backend(mode, fake_device, on_device - 1)
+    with pytest.raises(tiers.HostBudgetError, match=rf"cannot hold the {on_device} bytes .*on the device at enable"):
+        backend.enable(pipe)
+    assert not backend.is_enabled()
+    assert all(p.device == fake_device for p in pipe.transformer.parameters())
+    assert all(torch.equal(p, q) for (_, q), p in zip(dit, pipe.transformer.parameters()))
+    assert not pipe.transformer._forward_pre_hooks
+
+    backend = _backend(mode, fake_device, on_device)
+    backend.enable(pipe)
+    try:
+        plan = backend.tier_plan
+        assert plan.ram_only_bytes == on_device and plan.disk_bytes == 0
+        _call(pipe)
+        assert backend.audit() == []  # every tensor on the side its residency says
+    finally:
+        backend.disable()
+
+
 def test_a_write_to_a_disk_backed_weight_is_kept_and_the_file_unchanged(small_wan, fake_device):
     """Module mode, DiT and text encoder offloaded, the DiT mostly on disk: a weight written
     while resident is written back into its private copy-on-write page when the text

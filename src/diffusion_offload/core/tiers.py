@@ -392,7 +392,7 @@ def split_tiers(sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int 
         raise HostBudgetError(
             f"host_memory_budget={budget} bytes cannot hold the {ram_only} bytes of host "
             f"copies that cannot be file-backed (weights cast at load, fused with a LoRA, "
-            f"quantized, from GGUF or built in memory)"
+            f"quantized, from GGUF, built in memory or on the device at enable)"
             + (f" plus the {staging}-byte pinned staging ring" if backed else "")
             + "; raise the budget, load the weights from safetensors in their stored dtype, "
             "or select fewer components"
@@ -416,7 +416,8 @@ def stage_unit(components: Iterable[Iterable[tuple[int, bool]]]) -> int:
 
 
 def plan_tiers(
-    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0
+    tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0,
+    device_bytes: int = 0,
 ) -> TierPlan:
     """Choose the tier of every host copy the offload will hold (``split_tiers`` on the
     tensors' sizes; a tensor is file-backed when its whole storage is a private map of a
@@ -428,6 +429,8 @@ def plan_tiers(
         budget: the host-memory budget in bytes.
         maps: the process's file maps (None: read now).
         unit_bytes: as ``split_tiers``.
+        device_bytes: the bytes of the host copies made for weights that are on the
+            device at ``enable`` (their first eviction allocates them): RAM only.
 
     Returns:
         The ``TierPlan``; its ``disk_ids`` are the ``id`` of every tensor left on disk.
@@ -438,6 +441,8 @@ def plan_tiers(
     maps = maps if maps is not None else FileMaps()
     items = list(tensors)
     sizes = [(t.numel() * t.element_size(), file_backed(t, maps)) for t in items]
+    if device_bytes:
+        sizes.append((device_bytes, False))  # last: never an index of ``items``
     plan = split_tiers(sizes, budget, unit_bytes)
     plan.disk_ids = {id(items[i]) for i in plan.disk_ids}
     return plan
