@@ -165,7 +165,7 @@ def test_offload_matches_all_resident(kind, source, models, request, fake_device
     np.testing.assert_array_equal(got, want)
 
     stats = out.offload_stats
-    # plus the write checks' random weights, copied once per device and width
+    # plus the write checks' random weights (one copy of 8 bytes per grid column a check)
     assert stats["h2d_bytes"] + stats["check_h2d_bytes"] == dev["h2d_bytes"] - ref_dev["h2d_bytes"]
     # plus the write checks' read-backs (none when nothing changed)
     assert stats["d2h_bytes"] + stats["check_d2h_bytes"] == dev["d2h_bytes"] - ref_dev["d2h_bytes"]
