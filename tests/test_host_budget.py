@@ -480,10 +480,11 @@ def test_the_reader_overlaps_disk_reads_with_compute(deep_wan, fake_device):
                 out = pipe.transformer(**inputs)[0].cpu()
             return time.perf_counter() - start, out, backend.stats.since(snap).disk_read_bytes
 
-        with_reader = min((timed() for _ in range(2)), key=lambda r: r[0])
+        # the fastest of 3 each: a shared machine's noise only ever adds time
+        with_reader = min((timed() for _ in range(3)), key=lambda r: r[0])
         disk.reader = None
         reader.close()
-        without = min((timed() for _ in range(2)), key=lambda r: r[0])
+        without = min((timed() for _ in range(3)), key=lambda r: r[0])
     finally:
         backend.disable()
     assert torch.equal(with_reader[1], want) and torch.equal(without[1], want)
