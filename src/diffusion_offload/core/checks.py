@@ -105,8 +105,7 @@ def compare_with_host(
             todo = [p for p, k in zip(comparable, known) if k is None]
             computed = iter(fingerprints([s.view(s.host, m) for s, m in todo]).tolist())
             host = [next(computed) if k is None else k for k in known]
-    if comparable:  # the device fingerprints' weights (``writes.fingerprints``)
-        stats.check_h2d_bytes += checksum.COLUMNS * max(checksum.shape(m.nbytes)[1] for _, m in comparable)
+    stats.check_h2d_bytes += checksum.weights_bytes(m.nbytes for _, m in comparable)  # the device fingerprints'
     stats.fingerprints += len(comparable)
     stats.fingerprint_bytes += sum(m.nbytes for _, m in comparable)
     stats.check_d2h_bytes += 8 * len(comparable)

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["COLUMNS", "MAX_WIDTH", "MIN_ROWS", "device_weights", "shape", "size", "weighted_sums", "weights"]
+__all__ = ["COLUMNS", "MAX_WIDTH", "MIN_ROWS", "device_weights", "shape", "size", "weighted_sums", "weights",
+           "weights_bytes"]
 
 COLUMNS = 8
 """Weighted sums per grid row (the output width of the product; CUDA needs a multiple of 8)."""
@@ -92,6 +94,13 @@ def weights(width: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
         _weights = torch.randint(-128, 128, (MAX_WIDTH, COLUMNS), dtype=torch.int8, generator=g)
     return _weights[:width]
+
+
+def weights_bytes(nbytes: Iterable[int]) -> int:
+    """Bytes of weights one check over buffers of these sizes (bytes each) copies to the
+    device: ``COLUMNS`` per byte of the widest grid row (``shape``), 0 when every buffer
+    is small enough to be read as it is."""
+    return COLUMNS * max((shape(n)[1] for n in nbytes), default=0)
 
 
 def device_weights(device: torch.device, width: int) -> torch.Tensor:

@@ -33,8 +33,9 @@ class TransferStats:
             an arena's sums (4 bytes each) and 8 per member compared with its host copy.
             Not weight bytes.
         check_h2d_bytes: bytes of the checks' weights copied to the device
-            (``checks.device_weights``: 8 per byte of grid width, once per check). Not
-            weight bytes.
+            (``checksum.weights_bytes``: 8 per byte of the widest grid row, once per check:
+            an arena's record and compare, per-member device fingerprints, a disk tier's
+            record). Not weight bytes.
         device_checks: write checks decided on the device when weights left it: one
             comparison read back (a host wait) each, plus per-member read-backs when it
             differs.

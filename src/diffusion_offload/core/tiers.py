@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import hostmem
+from . import checksum, hostmem
 from .platform import Platform, same_device
 from .readahead import ReadAhead
 from .writes import fingerprints
@@ -609,7 +609,7 @@ class DiskTier:
 
         Raises:
             torch.OutOfMemoryError: no device room for the fingerprints' temporaries
-                (about ``48 * sqrt(n)`` bytes a tensor of ``n`` words).
+                (about ``48 * sqrt(n)`` bytes a tensor of ``n`` bytes).
         """
         if id(slot) in self._loaded or not self.holds(slot):
             return
@@ -624,6 +624,7 @@ class DiskTier:
         s.fingerprints += len(members)
         s.fingerprint_bytes += sum(m.nbytes for m in members)
         s.check_d2h_bytes += 8 * len(members)
+        s.check_h2d_bytes += checksum.weights_bytes(m.nbytes for m in members)
 
     def _fp_view(self, slot: Any) -> torch.Tensor:
         """``slot``'s entries for its fingerprints, one per member (host ``int64``), made at

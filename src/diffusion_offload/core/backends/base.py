@@ -351,15 +351,14 @@ class OffloadBackendBase:
         if budget is None:
             return None
         payloads: dict[int, torch.Tensor] = {}
-        on_device: dict[int, int] = {}  # id -> bytes: host copies the first eviction makes
         for name, tensors in named.items():
             if selected[name]:
                 for _, t in tensors:
                     p = payload_of(t)
                     if p.device.type == "cpu":
                         payloads.setdefault(id(t), t)
-                    elif p.device.type != "meta":
-                        on_device.setdefault(id(t), p.numel() * p.element_size())
+        # on the device now: their first eviction allocates their host copies (RAM only)
+        on_device = self._bytes_on_device({n: ts for n, ts in named.items() if selected[n]})
         maps = tiers.FileMaps()
         if self.weights_from is not None:
             if back_with_files(self.weights_from, named, selected, maps):
@@ -375,7 +374,7 @@ class OffloadBackendBase:
               maps.backing(payload_of(t)) is not None) for _, t in tensors]
             for name, tensors in named.items() if selected[name]
         )
-        plan = tiers.plan_tiers(payloads.values(), budget, maps, unit, sum(on_device.values()))
+        plan = tiers.plan_tiers(payloads.values(), budget, maps, unit, on_device)
         self.tier_plan = plan
         logger.info(plan.line())
         if not plan.disk_bytes:
