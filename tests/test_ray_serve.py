@@ -499,6 +499,11 @@ def test_health_lists_replicas_only_to_a_caller_with_the_key_and_labels_stay_bou
     text = fresh(images.url, "GET", "/metrics").text
     labels = {dict(k[1]).get("replica") for k in samples(text)} - {None}
     assert labels == {"generator-0", "generator-1", "ingress-0", "ingress-1"}
+    # every live replica is listed, also an ingress that has answered nothing yet
+    ages = {dict(k[1])["replica"]: (dict(k[1])["role"], v) for k, v in samples(text).items()
+            if k[0] == "diffusion_offload_replica_heartbeat_age_seconds"}
+    assert {label: role for label, (role, _) in ages.items()} == roles
+    assert all(0 <= age < 10 for _, age in ages.values()), ages  # index.STALE_S
     endpoints = {dict(k[1]).get("endpoint") for k in samples(text)} - {None}
     assert endpoints <= {"/health", "/metrics", IMG, "other", "/v1/models"}, endpoints
 

@@ -680,7 +680,10 @@ class BlockStreamer:
         """Write back what changed, then drop the block's device copies. A prefetched
         block's memory was recorded on the stream that ran it (``_wait``), so the caching
         allocator reuses it only after that compute. All or nothing: on failure the block
-        is still on the device, every tensor in place."""
+        is still on the device, every tensor in place. A copy into the block still in
+        flight on the copy stream is waited on first (``_wait``: an event wait, no host
+        synchronize): the write check and the write-back read its device bytes."""
+        self._wait(block)
         comp = block.weights
         mover = comp.mover
         start = time.perf_counter()

@@ -109,8 +109,10 @@ class _BlockHooks:
 
         @torch.compiler.disable
         def post(mod: nn.Module, args: tuple, output: Any) -> None:
+            if not skipped:  # an earlier pre-hook raised: ours never ran for this call
+                return
+            skip = skipped.pop()
             streamer = streamer_ref()
-            skip = skipped.pop() if skipped else False
             if streamer is not None and not skip:
                 streamer.after(block)
 

@@ -310,8 +310,10 @@ class JobIndex:
 
     def metric_parts(self) -> list[tuple[dict[str, str], list]]:
         """``(labels, snapshot)`` for :func:`~.metrics.merge_snapshots`: the job families
-        (unlabelled), a ``diffusion_offload_replicas{role}`` gauge, and each live
-        replica's own families labelled ``replica``."""
+        (unlabelled), a ``diffusion_offload_replicas{role}`` gauge, a
+        ``diffusion_offload_replica_heartbeat_age_seconds{replica,role}`` gauge (seconds;
+        one series per live replica, so an ingress that has answered nothing yet is still
+        listed), and each live replica's own families labelled ``replica``."""
         alive = self._alive()
         counts = {"generator": 0, "ingress": 0}
         for _, entry in alive:
@@ -319,8 +321,15 @@ class JobIndex:
         gauge = ("diffusion_offload_replicas", "Live replicas by role (Ray Serve).", "gauge", "",
                  [("diffusion_offload_replicas", {"role": role}, float(n))
                   for role, n in sorted(counts.items())])
+        now = time.monotonic()
+        age = ("diffusion_offload_replica_heartbeat_age_seconds",
+               "Seconds since each live replica's last heartbeat (Ray Serve); every live replica "
+               "has this series, also one that has not answered a request yet.", "gauge", "",
+               [("diffusion_offload_replica_heartbeat_age_seconds",
+                 {"replica": label, "role": entry["role"]}, round(now - entry["seen"], 3))
+                for label, entry in alive])
         parts: list[tuple[dict[str, str], list]] = [
-            ({}, self.metrics.snapshot(JOB_FAMILIES) + [gauge])
+            ({}, self.metrics.snapshot(JOB_FAMILIES) + [gauge, age])
         ]
         parts += [({"replica": label}, entry["snapshot"]) for label, entry in alive]
         return parts
