@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from diffusion_offload.core import hostmem, tiers
+from diffusion_offload.core import hostmem, staging, tiers
 
 
 class _Platform:
@@ -231,4 +231,4 @@ def test_the_staging_ring_buffers_stay_within_the_chunk(monkeypatch):
     sizes = [(100_000, True)] * 10
     plan = tiers.split_tiers(sizes, 400_000)
     assert plan.disk_bytes > 0
-    assert plan.staging_bytes == tiers.STAGING_COUNT * (8 << 10)
+    assert plan.staging_bytes == staging.STAGING_COUNT * (8 << 10)

@@ -14,8 +14,10 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``stats``: ``TransferStats``, the engine's counters.
 - ``transfer``: moving weights (``Mover``, ``Transaction``, ``TensorSlot``).
 - ``readahead``: the disk tier's reader thread (``ReadAhead``): reads ahead of loads.
+- ``staging``: the staging ring (``StagingRing``): pinned buffers that carry disk-backed
+  bytes to the device, one H2D copy per chunk.
 - ``tiers``: the host-memory budget and its tiers (pinned, pageable, disk): ``"auto"``,
-  file-backed weights, the staging ring.
+  file-backed weights, the disk tier.
 - ``weights_from``: file-backing the weights of a pipeline built elsewhere from its folder.
 - ``checks``: device write checks (``LoadCheck``): what a load put on the device, what changed.
 - ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).

@@ -85,9 +85,22 @@ class Arena:
     keeps nothing on the device: its reference sums live on the host (``loaded_sums``,
     copied back asynchronously right after the load; ``host_sums``, computed on the host).
 
+    A disk arena (``host`` None, ``on_disk``) groups disk-backed slots (``tiers``): their
+    host copies stay their own file maps, and a load packs them into the one device
+    allocation through the staging ring (``tiers.DiskTier.arena_to_device``, padding
+    zeroed). It has no buffer to sum on the host: the sums recorded on the device right
+    after a load (``checks.record``) are its host sums too (the device bytes then equal
+    the files'), until a write into a host copy drops them; without any, its members are
+    compared one by one (``checks``).
+
+    Args:
+        host: the buffer, or None for a disk arena.
+        pinned: whether ``host`` is pinned.
+        nbytes: a disk arena's size in bytes (``host``'s size otherwise).
+
     Attributes:
         host: the flat ``uint8`` host buffer (``nbytes``), pinned when ``pinned``; the
-            slots' ``host`` are views of it.
+            slots' ``host`` are views of it. None for a disk arena.
         slots: the slots whose host copies live in it (``transfer.TensorSlot``), in
             offset order; a slot whose host copy had to move elsewhere (a new dtype or
             shape) leaves, its bytes stay as padding.
@@ -109,10 +122,10 @@ class Arena:
         "loaded_sums", "host_sums",
     )
 
-    def __init__(self, host: torch.Tensor, pinned: bool) -> None:
+    def __init__(self, host: torch.Tensor | None, pinned: bool, nbytes: int | None = None) -> None:
         self.host = host
         self.pinned = pinned
-        self.nbytes = host.numel()
+        self.nbytes = host.numel() if host is not None else int(nbytes or 0)
         self.slots: list[Any] = []
         self.offsets: dict[int, int] = {}
         self.shape = checksum.shape(self.nbytes)
@@ -122,14 +135,22 @@ class Arena:
         self.host_sums: torch.Tensor | None = None
 
     @property
+    def on_disk(self) -> bool:
+        """A disk arena: no host buffer, its slots' host copies are file maps."""
+        return self.host is None
+
+    @property
     def sum_words(self) -> int:
         """``int32`` elements of the arena's check sums (``checksum.size``)."""
         return checksum.size(self.shape, self.nbytes)
 
     def add(self, slot: Any, offset: int) -> torch.Tensor:
-        """Place ``slot`` at ``offset``; return its span of ``host``."""
+        """Place ``slot`` at ``offset``; return its span of ``host`` (a disk arena: the
+        slot's own host copy)."""
         self.slots.append(slot)
         self.offsets[id(slot)] = offset
+        if self.host is None:
+            return slot.host
         return self.host[offset : offset + slot.nbytes]
 
     def remove(self, slot: Any) -> None:
@@ -162,7 +183,15 @@ class Arena:
         return torch.as_strided(first, (self.nbytes,), (1,), 0)
 
     def reference_on_host(self) -> torch.Tensor:
-        """``host_sums``, computed on the host now if not known (a pass over the arena)."""
+        """``host_sums``, computed on the host now if not known (a pass over the arena).
+
+        Raises:
+            ValueError: a disk arena (no host buffer to sum).
+        """
+        if self.host is None:
+            if self.host_sums is None:
+                raise ValueError("a disk arena has no host buffer: only its recorded sums compare")
+            return self.host_sums
         if self.host_sums is None:
             out = torch.empty(self.sum_words, dtype=torch.int32)
             checksum.weighted_sums(self.host, self.shape, out, checksum.weights(self.shape[1]))

@@ -24,7 +24,7 @@ bytes; equal bytes are never written back (README, write detection).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,32 +38,58 @@ from .writes import fingerprints
 __all__ = ["changed", "compare_with_host", "record"]
 
 
-def record(stats: TransferStats, arena: Arena, payload: torch.Tensor, platform: Platform) -> None:
-    """Copy the sums of ``arena``'s device bytes (``payload``: any member tensor viewing
-    its allocation) to ``Arena.loaded_sums`` without waiting: two reductions and one
-    asynchronous device->host copy on the current stream (the comparison that reads them
-    later runs after it); the arena is then ``checked``.
+def record(
+    stats: TransferStats,
+    items: Sequence[tuple[Arena, torch.Tensor]],
+    platform: Platform,
+    buf: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy the sums of the device bytes of each arena of ``items`` (``(arena, payload)``:
+    any member tensor viewing its allocation) to ``Arena.loaded_sums`` without waiting:
+    one or two integer matrix products an arena, one copy of the checksum weights to the
+    device and one asynchronous device->host copy of all the sums, on the current stream
+    (the comparison that reads them later runs after it); the arenas are then
+    ``checked``. Called right after the load, so for a disk arena (no host buffer) these
+    sums are its ``host_sums`` too.
+
+    Args:
+        buf: the host ``int32`` buffer a previous call returned for the same arenas, reused
+            when its size fits (no new pinned allocation a load).
+
+    Returns:
+        The host buffer (pinned when possible) the sums are copied into; each arena's
+        ``loaded_sums`` is its view of it.
 
     Raises:
-        torch.OutOfMemoryError: no device room for the sums (about 16 * sqrt(words) bytes).
+        torch.OutOfMemoryError: no device room for the sums (about 16 * sqrt(words) bytes
+            an arena).
     """
+    words = sum(a.sum_words for a, _ in items)
     with torch.inference_mode(False), torch.no_grad():
-        if arena.loaded_sums is None:
-            buf = torch.empty(arena.sum_words, dtype=torch.int32)
+        if buf is None or buf.numel() != words:
+            buf = torch.empty(words, dtype=torch.int32)
             if platform.supports_pinning:
                 try:
                     buf = buf.pin_memory()
                 except RuntimeError:
                     pass  # pageable: the copy is then synchronous, still correct
-            arena.loaded_sums = buf
-        now = torch.empty(arena.sum_words, dtype=torch.int32, device=platform.device)
-        w = device_weights(stats, platform, arena.shape[1])
-        checksum.weighted_sums(arena.allocation(payload), arena.shape, now, w)
-        arena.loaded_sums.copy_(now, non_blocking=True)
-    arena.checked = True
-    stats.fingerprints += 1
-    stats.fingerprint_bytes += arena.nbytes
-    stats.check_d2h_bytes += 4 * arena.sum_words
+        now = torch.empty(words, dtype=torch.int32, device=platform.device)
+        w = device_weights(stats, platform, max(a.shape[1] for a, _ in items))
+        start = 0
+        for arena, payload in items:
+            end = start + arena.sum_words
+            checksum.weighted_sums(arena.allocation(payload), arena.shape, now[start:end], w)
+            arena.loaded_sums = buf[start:end]
+            start = end
+        buf.copy_(now, non_blocking=True)
+    for arena, _ in items:
+        if arena.on_disk:  # right after a load: the device bytes are the files' bytes
+            arena.host_sums = arena.loaded_sums
+        arena.checked = True
+        stats.fingerprint_bytes += arena.nbytes
+    stats.fingerprints += len(items)
+    stats.check_d2h_bytes += 4 * words
+    return buf
 
 
 def device_weights(stats: TransferStats, platform: Platform, width: int) -> torch.Tensor:
@@ -162,7 +188,11 @@ def changed(
         else:
             whole[id(a)] = False
             slot.rebinds = True
-    live = [a for key, a in arenas.items() if whole[key]]
+    # a disk arena with neither this load's sums nor host sums: compared member by member
+    live = [
+        a for key, a in arenas.items()
+        if whole[key] and (a.checked or not a.on_disk or a.host_sums is not None)
+    ]
     live_ids = {id(a) for a in live}
     suspect = [k for k, (slot, _) in enumerate(pairs) if id(slot.arena) not in live_ids]
     if live:

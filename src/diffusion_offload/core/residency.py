@@ -175,6 +175,8 @@ class ComponentWeights:
         self.synced = 0
         self.listeners: list[Callable[[str, "ComponentWeights", float], None]] = []
         self.pending: PendingLoad | None = None  # an asynchronous load in flight
+        # the host buffer of the last ``checks.record`` and the arenas it was for
+        self._sums: tuple[tuple[int, ...], torch.Tensor] | None = None
         weakref.finalize(module, _drop_slots, weakref.ref(self))
 
     @property
@@ -299,23 +301,45 @@ class ComponentWeights:
 
     def record_checks(self) -> None:
         """Record the write-check sums of every arena of the component loaded whole and
-        not recorded yet (``checks.record``), on the current stream: two reductions and one
-        asynchronous copy back an arena, no host wait; and the fingerprints of every
-        disk-backed slot loaded (``tiers.DiskTier.record``: its host copy is then not read
-        again by the check at eviction). No device room for the sums: nothing more is
-        recorded (the members are then compared with their host copies)."""
-        mover = self.mover
-        disk = mover.disk
+        not recorded yet (``checks.record``), on the current stream: one product an arena,
+        one asynchronous copy back of all of them, no host wait; and the fingerprints of
+        every disk-backed slot loaded by itself (``tiers.DiskTier.record``: its host copy
+        is then not read again by the check at eviction). No device room for the sums:
+        nothing more is recorded (the members are then compared with their host copies)."""
+        disk = self.mover.disk
+        todo: dict[int, tuple[Arena, torch.Tensor]] = {}
         for slot in self.slots:
             a = slot.arena
-            try:
-                if disk is not None and a is None:
+            if disk is not None and a is None:
+                try:
                     disk.record(slot)
-                if a is None or a.checked or a.device_key is None:
-                    continue
-                checks.record(mover.stats, a, slot.members[0].payload, mover.platform)
-            except torch.OutOfMemoryError:
-                return
+                except torch.OutOfMemoryError:
+                    return
+            if a is None or a.checked or a.device_key is None:
+                continue
+            todo.setdefault(id(a), (a, slot.members[0].payload))
+        self._record(list(todo.values()))
+
+    def record_disk_sums(self, arenas: list[Arena]) -> None:
+        """Layer mode's loads: record the sums of each disk arena of ``arenas`` (just
+        loaded whole) that has no host sums yet (``checks.record``, on the current stream,
+        no host wait): they stand for its host copies from then on, so its write checks
+        never read the files again."""
+        self._record([(a, a.slots[0].members[0].payload) for a in arenas
+                      if a.on_disk and a.host_sums is None and a.slots])
+
+    def _record(self, items: list[tuple[Arena, torch.Tensor]]) -> None:
+        """``checks.record`` of ``items``, reusing the host buffer of the last call for the
+        same arenas; no device room: nothing recorded (compared one by one later)."""
+        if not items:
+            return
+        key = tuple(id(a) for a, _ in items)
+        buf = self._sums[1] if self._sums is not None and self._sums[0] == key else None
+        try:
+            buf = checks.record(self.mover.stats, items, self.mover.platform, buf)
+        except torch.OutOfMemoryError:
+            return
+        self._sums = (key, buf)
 
     def changed(self, slots: list[TensorSlot]) -> list[bool]:
         """Per member of ``slots`` (resident, about to leave), whether its device bytes

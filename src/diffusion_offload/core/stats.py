@@ -58,6 +58,10 @@ class TransferStats:
         cow_bytes: bytes of disk-backed host copies written (private copy-on-write pages:
             anonymous memory, counted against the host budget; a gauge).
         staging_bytes: bytes of the pinned staging ring of disk-backed loads (a gauge).
+        staging_copies: H2D copies from the staging ring (one per staging chunk of a
+            load, ``staging.StagingRing.copy``).
+        staging_waits: host waits of the staging ring: one per reuse of a buffer (the
+            event of the copy last queued from it).
     """
 
     h2d_bytes: int = 0
@@ -81,6 +85,8 @@ class TransferStats:
     disk_read_bytes: int = 0
     cow_bytes: int = 0
     staging_bytes: int = 0
+    staging_copies: int = 0
+    staging_waits: int = 0
 
     _GAUGES = ("pinned_bytes", "pageable_host_bytes", "disk_backed_bytes", "cow_bytes", "staging_bytes")
 

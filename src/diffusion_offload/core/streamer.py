@@ -623,7 +623,8 @@ class BlockStreamer:
         try:
             with self.platform.use_stream(stream):
                 comp.sync(txn)
-                moved, _, _ = comp.load_slots(txn)
+                moved, arenas, _ = comp.load_slots(txn)
+                comp.record_disk_sums(arenas)
                 event = None
                 if stream is not None:
                     event = self.platform.new_event()

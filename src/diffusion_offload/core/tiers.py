@@ -45,6 +45,7 @@ import torch
 from . import checksum, hostmem
 from .platform import Platform, same_device
 from .readahead import ReadAhead
+from .staging import STAGING_CHUNK, STAGING_COUNT, StagingRing
 from .writes import fingerprints
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "DiskTier",
     "FileMaps",
     "HostBudgetError",
-    "StagingRing",
     "TierPlan",
     "auto_host_budget",
     "check_budget",
@@ -66,12 +66,6 @@ __all__ = [
 
 AUTO_RESERVE = 2 << 30
 """The most ``"auto"`` keeps back from the measured room, in bytes (2 GiB)."""
-
-STAGING_CHUNK = 64 << 20
-"""Largest staging-ring buffer, in bytes (64 MiB); a ring holds ``STAGING_COUNT`` of them."""
-
-STAGING_COUNT = 2
-"""Buffers in a staging ring: one filled from disk while the other's copy runs."""
 
 FP_BLOCK = 4096
 """Fingerprints (8 bytes each) per host buffer of a disk tier's write-check records."""
@@ -456,68 +450,6 @@ def file_backed(t: torch.Tensor, maps: FileMaps) -> bool:
 # ----------------------------------------------------------------------------- the disk tier
 
 
-class StagingRing:
-    """``STAGING_COUNT`` pinned host buffers through which disk-backed bytes reach the
-    device: each chunk is read (from the page cache or disk) into one buffer, then copied
-    to the device asynchronously; a buffer is reused once its copy's event completed.
-
-    Args:
-        platform: the device's platform (events, pinning).
-        nbytes: the ring's total size in bytes (``STAGING_COUNT`` equal buffers).
-        pin: pin the buffers (without it: synchronous copies, no ring memory).
-    """
-
-    def __init__(self, platform: Platform, nbytes: int, pin: bool) -> None:
-        self.platform = platform
-        self.chunk = max(nbytes // STAGING_COUNT, 1)
-        self.pin = pin
-        self.nbytes = STAGING_COUNT * self.chunk if pin else 0
-        self._bufs: list[torch.Tensor] = []
-        self._events: list[Any] = [None] * STAGING_COUNT
-        self._next = 0
-
-    def release(self) -> None:
-        """Drop the buffers (after their copies completed); a later ``copy`` makes them again."""
-        for event in self._events:
-            if event is not None:
-                event.synchronize()
-        self._bufs = []
-        self._events = [None] * STAGING_COUNT
-        self._next = 0
-
-    def _buffer(self, i: int) -> torch.Tensor:
-        while len(self._bufs) <= i:
-            self._bufs.append(torch.empty(self.chunk, dtype=torch.uint8).pin_memory())
-        return self._bufs[i]
-
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, read: Any) -> None:
-        """Copy ``src`` (host ``uint8``, file-backed) into ``dst`` (device ``uint8``,
-        same size) chunk by chunk, on the current stream; ``read(chunk_view, nbytes)``
-        is called for every chunk read from ``src`` (the disk tier's counters)."""
-        n = src.numel()
-        if not self.pin:
-            read(src, n)
-            dst.copy_(src)
-            return
-        for off in range(0, n, self.chunk):
-            k = min(self.chunk, n - off)
-            i = self._next
-            self._next = (i + 1) % STAGING_COUNT
-            if self._events[i] is not None:
-                self._events[i].synchronize()
-            buf = self._buffer(i)[:k]
-            part = src[off : off + k]
-            read(part, k)
-            buf.copy_(part)
-            dst[off : off + k].copy_(buf, non_blocking=True)
-            event = self.platform.new_event()
-            if event is not None:
-                event.record()
-            else:
-                self.platform.synchronize()
-            self._events[i] = event
-
-
 class DiskTier:
     """The disk-backed host copies of one enabled backend: which slots they are, how they
     reach the device (``StagingRing``), and their counters in the mover's ``stats``
@@ -582,22 +514,43 @@ class DiskTier:
             slot.host.data_ptr() == entry[1]
         )
 
-    def _read(self, part: torch.Tensor, nbytes: int) -> None:
+    def _read(self, nbytes: int) -> None:
         self.stats.disk_read_bytes += nbytes
 
-    def to_device(self, slot: Any, device: torch.device) -> torch.Tensor:
-        """A device copy of the disk-backed ``slot``'s host span (``uint8``), through the
-        ring; the reader is then asked to read what followed it last time."""
+    def _begin(self, slot: Any) -> None:
+        """Before the first byte of ``slot`` is read: wait for the reader if it is reading
+        it, or sleep the ``read_delay`` knob if nobody read it ahead."""
         self._loaded.discard(id(slot))
         reader = self.reader
         if reader is not None:
             reader.take(slot)
         elif self.read_delay:
             time.sleep(self.read_delay * slot.nbytes)
+
+    def _end(self, slot: Any) -> None:
+        """After the last byte of ``slot`` is read: the reader reads what followed it."""
+        if self.reader is not None:
+            self.reader.after(slot)
+
+    def _stage(self, spans: list[Any], dst: torch.Tensor) -> None:
+        reuses = self.ring.reuses
+        self.stats.staging_copies += self.ring.copy(spans, dst, self._read, self._begin, self._end)
+        self.stats.staging_waits += self.ring.reuses - reuses
+
+    def to_device(self, slot: Any, device: torch.device) -> torch.Tensor:
+        """A device copy of the disk-backed ``slot``'s host span (``uint8``), through the
+        ring (a slot loaded by itself: its arena is not loaded whole)."""
         dst = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
-        self.ring.copy(slot.host, dst, self._read)
-        if reader is not None:
-            reader.after(slot)
+        self._stage([(0, slot.host, slot)], dst)
+        return dst
+
+    def arena_to_device(self, arena: Any, device: torch.device) -> torch.Tensor:
+        """One device allocation of ``arena.nbytes`` (``uint8``) holding the host copies of
+        the disk arena's slots at their offsets, padding zeroed (``arena.Arena`` without a
+        host buffer): one H2D copy per staging chunk, on the current stream."""
+        dst = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
+        spans = [(arena.offsets[id(s)], s.host, s) for s in arena.slots]
+        self._stage(spans, dst)
         return dst
 
     def record(self, slot: Any) -> None:

@@ -421,7 +421,31 @@ class Mover:
                     self._account(slot, +1)
         if pack:
             self.pack([s for s in slots if self.disk is None or not self.disk.holds(s)], txn)
+            if self.disk is not None:
+                self._pack_disk([s for s in slots if self.disk.holds(s)], txn)
         return slots
+
+    def _pack_disk(self, slots: list[TensorSlot], txn: Transaction) -> None:
+        """Group disk-backed ``slots`` into disk arenas (``Arena`` without a host buffer)
+        of at most ``arena_bytes`` each, laid out as ``pack`` lays out host arenas: their
+        host copies stay their file maps; a load fills one device allocation through the
+        staging ring and the write check sums it whole (issue 34)."""
+        todo = [
+            s for s in slots
+            if s.arena is None and s.nbytes > 0 and not any(_is_dtensor(m.obj) for m in s.members)
+        ]
+        for index, offsets, nbytes in layout([s.nbytes for s in todo], self.arena_bytes):
+            arena = Arena(None, False, nbytes)
+            for i, offset in zip(index, offsets):
+                arena.add(todo[i], offset)
+                todo[i].arena = arena
+
+            def undo(a: Arena = arena) -> None:
+                for slot in list(a.slots):
+                    slot.arena = None
+                    a.remove(slot)
+
+            txn.on_rollback(undo)
 
     def pack(self, slots: list[TensorSlot], txn: Transaction) -> list[Arena]:
         """Move the host copies of ``slots`` into arenas of at most ``arena_bytes`` each
@@ -615,7 +639,10 @@ class Mover:
         with torch.inference_mode(False), torch.no_grad():
             for slot in list(arena.slots):
                 self._take_host_writes(slot)
-            dev = arena.host.to(self.device, non_blocking=arena.pinned)
+            if arena.host is None:  # a disk arena: packed through the staging ring
+                dev = self.disk.arena_to_device(arena, self.device)
+            else:
+                dev = arena.host.to(self.device, non_blocking=arena.pinned)
             for slot in arena.slots:
                 offset = arena.offsets[id(slot)]
                 span = dev[offset : offset + slot.nbytes]
