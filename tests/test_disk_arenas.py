@@ -1,0 +1,184 @@
+"""Disk-backed loads cost what RAM loads cost (issue 34 item 1): disk arenas, one H2D copy
+per staging chunk, a host wait only to reuse a staging buffer, write checks by the arena
+sums recorded at the load."""
+
+from __future__ import annotations
+
+import gc
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_offload import LayerwiseOffloadBackend, ModelLevelOffloadBackend
+from diffusion_offload.core.staging import StagingRing
+from diffusion_offload.testing import fake_accelerator as fa
+from diffusion_offload.testing import tiny_pipelines
+
+KIND = "wan2.2"
+SELECT = ["dit", "text_encoder"]
+OFFLOADED = ("transformer", "transformer_2", "text_encoder")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("disk-arenas")
+    tiny_pipelines.build(KIND, num_layers=4).save_pretrained(directory)
+    return directory
+
+
+def _load(directory: Path):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(directory)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _request(pipe) -> np.ndarray:
+    kwargs = {**tiny_pipelines.default_call_kwargs(KIND), "num_inference_steps": 2}
+    with torch.no_grad():
+        out = pipe(prompt="a cat", negative_prompt="blurry", output_type="latent",
+                   generator=torch.Generator("cpu").manual_seed(0), **kwargs)
+    return out.frames.cpu().double().numpy()
+
+
+def _offloaded_bytes(pipe) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for name in OFFLOADED
+        for t in [*getattr(pipe, name).parameters(), *getattr(pipe, name).buffers()]
+    )
+
+
+def _steady(directory: Path, mode: str, device: torch.device, budget: int | None):
+    """(latents, fake device counters, engine counters) of the third request."""
+    pipe = _load(directory)
+    cls = ModelLevelOffloadBackend if mode == "module" else LayerwiseOffloadBackend
+    kwargs = {} if budget is None else {"host_memory_budget": budget}
+    backend = cls({"mode": mode, "components": SELECT}, device, **kwargs)
+    backend.enable(pipe)
+    try:
+        _request(pipe)
+        _request(pipe)
+        snap = backend.stats.snapshot()
+        fa.reset_stats()
+        out = _request(pipe)
+        s = fa.stats()
+        engine = backend.stats.since(snap)
+        arenas = {
+            id(slot.arena): slot.arena
+            for c in backend.components.values() for slot in c.slots
+            if slot.arena is not None and slot.arena.on_disk
+        }
+        singles = [
+            slot for c in backend.components.values() for slot in c.slots
+            if backend.mover.disk is not None and backend.mover.disk.holds(slot) and slot.arena is None
+        ]
+        chunk = backend.mover.disk.ring.chunk if backend.mover.disk is not None else 0
+        return out, s, engine, list(arenas.values()), singles, chunk
+    finally:
+        backend.disable()
+        del pipe, backend
+        gc.collect()
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_a_disk_backed_load_costs_what_a_ram_load_costs(mode, saved, fake_device):
+    """40 % host budget against no budget, same mode, same files: bit-equal latents;
+    every disk-backed slot in a disk arena; device ops <= 1.15x; host waits <= the same +
+    one per staging-buffer reuse; copies <= the same + one per staging chunk (exactly
+    ``ceil(arena bytes / chunk)`` per arena load); no per-tensor fingerprint."""
+    budget = int(0.4 * _offloaded_bytes(_load(saved)))
+    ref, base, base_engine, _, _, _ = _steady(saved, mode, fake_device, None)
+    out, s, e, arenas, singles, chunk = _steady(saved, mode, fake_device, budget)
+    assert np.array_equal(out, ref)
+    assert arenas and singles == []
+    assert e.disk_read_bytes > 0 and e.staging_copies > 0
+    assert e.cow_bytes == 0 and e.d2h_bytes == base_engine.d2h_bytes  # nothing seen as written
+    # each disk arena load: ceil(nbytes / chunk) copies, reads of exactly its slots' bytes
+    per_arena = {a.nbytes: math.ceil(a.nbytes / chunk) for a in arenas}
+    assert e.staging_copies >= min(per_arena.values())
+    assert e.staging_waits <= e.staging_copies
+    assert s["device_ops"] <= 1.15 * base["device_ops"], (s["device_ops"], base["device_ops"])
+    assert s["host_waits"] <= base["host_waits"] + e.staging_waits, (s["host_waits"], base["host_waits"])
+    assert s["transfers"] <= base["transfers"] + e.staging_copies, (s["transfers"], base["transfers"])
+    # the checks read no file: arena sums only (as many as without a budget, plus, in
+    # module mode, each disk arena's at its load and at its eviction)
+    assert e.fingerprints - base_engine.fingerprints <= 2 * len(arenas)
+    assert s["races_detected"] == 0
+
+
+def test_the_ring_packs_sources_at_their_offsets_with_zero_padding(fake_device):
+    """Three sources at aligned offsets of a 100-byte destination, a ring of two 24-byte
+    buffers: ``ceil(100 / 24) = 5`` H2D copies, 3 buffer reuses (event waits), every
+    source's bytes at its offset, the rest zero; ``begin``/``end`` once per source, in
+    order, around its bytes; the reads count each source's bytes once."""
+    from diffusion_offload.core.platform import platform_for
+
+    ring = StagingRing(platform_for(fake_device), 48, pin=True)
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (30, 7, 41)]
+    offsets = [0, 32, 48]
+    dst = torch.full((100,), 7, dtype=torch.uint8).to(fake_device)
+    calls: list[tuple[str, int]] = []
+    read: list[int] = []
+    fa.reset_stats()
+    copies = ring.copy(
+        list(zip(offsets, sources, range(3))), dst, read.append,
+        lambda k: calls.append(("begin", k)), lambda k: calls.append(("end", k)),
+    )
+    s = fa.stats()
+    assert copies == 5 and s["transfers"] == 5 and s["h2d_bytes"] == 100
+    assert ring.reuses == 3
+    assert calls == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1), ("begin", 2), ("end", 2)]
+    assert sum(read) == 78
+    want = torch.zeros(100, dtype=torch.uint8)
+    for off, src in zip(offsets, sources):
+        want[off : off + src.numel()] = src
+    assert torch.equal(dst.cpu(), want)
+    ring.release()
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_a_write_into_a_disk_backed_weight_is_seen_by_the_arena_check(mode, saved, fake_device):
+    """An in-place write through ``.data`` into a resident disk-backed weight (peft's
+    merge does this) is seen by the disk arena's check at eviction (its sums recorded at
+    the load), not lost: its write-back needs a private copy-on-write page, which a budget
+    filled by the plan has no room for, so the eviction refuses (``HostBudgetError``
+    naming the bytes) and the new values stay on the device."""
+    from diffusion_offload.core.tiers import HostBudgetError
+
+    budget = int(0.4 * _offloaded_bytes(_load(saved)))
+    pipe = _load(saved)
+    cls = ModelLevelOffloadBackend if mode == "module" else LayerwiseOffloadBackend
+    backend = cls({"mode": mode, "components": SELECT}, fake_device, host_memory_budget=budget)
+    backend.enable(pipe)
+    try:
+        _request(pipe)
+        disk = backend.mover.disk
+        slot = next(s for c in backend.components.values() for s in c.slots
+                    if disk.holds(s) and s.arena is not None and c.name.startswith("transformer"))
+        w = slot.members[0].obj
+        before = w.detach().cpu().clone()
+        halved = {}
+
+        def halve(module, args) -> None:
+            if w.device == fake_device and "done" not in halved:
+                w.data.mul_(0.5)
+                halved["done"] = w.detach().cpu().clone()
+
+        owner = next(m for dit in (pipe.transformer, pipe.transformer_2) for m in dit.modules()
+                     if any(p is w for p in m.parameters(recurse=False)))
+        hook = owner.register_forward_pre_hook(halve)  # runs with w resident, in both modes
+        with pytest.raises(HostBudgetError, match="written disk-backed weight"):
+            _request(pipe)
+        hook.remove()
+        assert "done" in halved and not torch.equal(halved["done"], before)
+        assert w.device == fake_device and torch.equal(w.detach().cpu(), halved["done"])
+        assert backend.stats.cow_bytes == 0
+    finally:
+        backend.disable()
+        gc.collect()
