@@ -16,6 +16,7 @@ H2D copies whatever the number of tensors (issue 34: one copy per staging chunk)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from .platform import Platform
 
-__all__ = ["STAGING_CHUNK", "STAGING_COUNT", "StagingRing"]
+__all__ = ["STAGING_CHUNK", "STAGING_COUNT", "Fill", "Span", "StagingRing"]
 
 STAGING_CHUNK = 64 << 20
 """Largest staging-ring buffer, in bytes (64 MiB); a ring holds ``STAGING_COUNT`` of them."""
@@ -31,9 +32,14 @@ STAGING_CHUNK = 64 << 20
 STAGING_COUNT = 2
 """Buffers in a staging ring: one filled from disk while the other's copy runs."""
 
-Span = tuple[int, torch.Tensor, Any]
-"""``(offset, source, key)``: a host ``uint8`` source placed at byte ``offset`` of the
-destination; ``key`` (a slot) is handed to the ``begin``/``end`` callbacks."""
+Fill = Callable[[torch.Tensor, int], None]
+"""``fill(view, start)``: write bytes ``start .. start + view.numel()`` of a source into
+``view`` (a pinned host ``uint8`` buffer), e.g. ``os.preadv`` from its file."""
+
+Span = tuple[int, torch.Tensor, Any, "Fill | None"]
+"""``(offset, source, key, fill)``: a host ``uint8`` source placed at byte ``offset`` of
+the destination; ``key`` (a slot) is handed to the ``begin``/``end`` callbacks; ``fill``
+reads its bytes into the ring (None: copied from ``source``, its memory map)."""
 
 
 class StagingRing:
@@ -98,7 +104,7 @@ class StagingRing:
         self,
         spans: Sequence[Span],
         dst: torch.Tensor,
-        read: Callable[[int], None],
+        read: Callable[[int, float], None],
         begin: Callable[[Any], None] | None = None,
         end: Callable[[Any], None] | None = None,
     ) -> int:
@@ -106,8 +112,8 @@ class StagingRing:
         into ``dst`` (a device ``uint8`` tensor) at their offsets, every byte of ``dst``
         outside them set to zero, on the current stream.
 
-        ``read(nbytes)`` is called for the bytes read from each source (the disk tier's
-        counter), ``begin(key)`` before the first byte of a source is read and
+        ``read(nbytes, seconds)`` is called for each piece read from a source (the disk
+        tier's counters: its bytes and the seconds its read took; each piece is read by its span's ``fill`` when it has one), ``begin(key)`` before the first byte of a source is read and
         ``end(key)`` after its last one (the reader thread's hooks).
 
         Returns:
@@ -124,14 +130,18 @@ class StagingRing:
             buf = self._buffer()[: hi - lo]
             pos = lo
             while k < len(spans) and spans[k][0] < hi:
-                offset, src, key = spans[k]
+                offset, src, key, fill = spans[k]
                 a, b = max(offset, lo), min(offset + src.numel(), hi)
                 if a > pos:
                     buf[pos - lo : a - lo].zero_()
                 if a == offset and begin is not None:
                     begin(key)
-                buf[a - lo : b - lo].copy_(src[a - offset : b - offset])
-                read(b - a)
+                t0 = time.perf_counter()
+                if fill is None:
+                    buf[a - lo : b - lo].copy_(src[a - offset : b - offset])
+                else:
+                    fill(buf[a - lo : b - lo], a - offset)
+                read(b - a, time.perf_counter() - t0)
                 pos = b
                 if b < offset + src.numel():
                     break  # continues in the next chunk
@@ -149,19 +159,20 @@ class StagingRing:
         self,
         spans: Sequence[Span],
         dst: torch.Tensor,
-        read: Callable[[int], None],
+        read: Callable[[int, float], None],
         begin: Callable[[Any], None] | None,
         end: Callable[[Any], None] | None,
     ) -> int:
         copies = 0
         pos = 0
-        for offset, src, key in spans:
+        for offset, src, key, _ in spans:  # no pinned buffer to read into: from the map
             if offset > pos:
                 dst[pos:offset].zero_()
             if begin is not None:
                 begin(key)
-            read(src.numel())
-            dst[offset : offset + src.numel()].copy_(src)
+            t0 = time.perf_counter()
+            dst[offset : offset + src.numel()].copy_(src)  # the read and the copy, together
+            read(src.numel(), time.perf_counter() - t0)
             copies += 1
             if end is not None:
                 end(key)

@@ -55,6 +55,8 @@ class TransferStats:
         disk_backed_bytes: bytes of host copies left on disk: file-backed memory maps read
             at every load (``tiers``; a gauge).
         disk_read_bytes: bytes read from disk-backed host copies (the loads' reads).
+        disk_read_seconds: seconds the loads spent reading them into the staging ring
+            (``os.preadv`` from the files, or copies from their memory maps).
         cow_bytes: bytes of disk-backed host copies written (private copy-on-write pages:
             anonymous memory, counted against the host budget; a gauge).
         staging_bytes: bytes of the pinned staging ring of disk-backed loads (a gauge).
@@ -83,6 +85,7 @@ class TransferStats:
     pageable_host_bytes: int = 0
     disk_backed_bytes: int = 0
     disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
     cow_bytes: int = 0
     staging_bytes: int = 0
     staging_copies: int = 0

@@ -379,7 +379,7 @@ class OffloadBackendBase:
         logger.info(plan.line())
         if not plan.disk_bytes:
             return None
-        return tiers.DiskTier(plan, self.platform, self.mover.stats, self.mover.pin)
+        return tiers.DiskTier(plan, self.platform, self.mover.stats, self.mover.pin, maps=maps)
 
     def _placement_breaches(self) -> list[str]:
         """Per tensor of every component: managed, and on the side its slot and its
