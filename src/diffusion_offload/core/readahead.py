@@ -22,8 +22,9 @@ class ReadAhead:
     It learns the order of loads (which slot was loaded after which, last time: the next
     blocks in layer mode, the next component's slots in module mode) and, after each
     load, reads the slots that followed it, at most ``limit`` bytes ahead (the staging
-    ring's size): their pages come into the page cache (one byte a page is read, so the
-    kernel reads each page from the file), and the ``DiskTier.read_delay`` knob is slept
+    ring's size): their pages come into the page cache (``DiskTier.read_file``: read from
+    the file into a small scratch buffer, so no page is mapped into the process and the
+    kernel may still drop them; a slot without a file: one byte a page of its map), and the ``DiskTier.read_delay`` knob is slept
     there instead of in the load. A load of a slot being read waits for it.
 
     The thread holds only a weak reference to its ``ReadAhead`` while it waits (and to
@@ -122,9 +123,13 @@ class ReadAhead:
                     del reader
                     cond.wait()
                 slot = reader._busy = reader._queue.pop(0)
-            host = slot.host
-            if host is not None and host.numel():
-                host[::4096].sum()  # one byte a page: the kernel reads every page
+            tier = reader.tier
+            if tier is None or not tier.read_file(slot):
+                host = slot.host
+                if host is not None and host.numel():
+                    host[::4096].sum()  # one byte a page: the kernel reads every page
+                del host
+            del tier
             delay = reader._delay()
             if delay:
                 time.sleep(delay * slot.nbytes)
@@ -132,7 +137,7 @@ class ReadAhead:
                 reader._ready.add(id(slot))
                 reader._busy = None
                 cond.notify_all()
-            del reader, slot, host  # the owner may be collected while the thread waits
+            del reader, slot  # the owner may be collected while the thread waits
 
     def close(self) -> None:
         """Stop the thread (it finishes the slot it is reading) and wait for it to exit."""

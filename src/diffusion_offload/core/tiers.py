@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -69,6 +70,9 @@ AUTO_RESERVE = 2 << 30
 
 FP_BLOCK = 4096
 """Fingerprints (8 bytes each) per host buffer of a disk tier's write-check records."""
+
+_SCRATCH = 1 << 20
+"""Bytes of the reader thread's scratch buffer for reads ahead (1 MiB)."""
 
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
 
@@ -450,6 +454,13 @@ def file_backed(t: torch.Tensor, maps: FileMaps) -> bool:
 # ----------------------------------------------------------------------------- the disk tier
 
 
+def _close_all(fds: dict[str, int]) -> None:
+    """Close the descriptors of ``fds`` (path -> descriptor) and forget them."""
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
 class DiskTier:
     """The disk-backed host copies of one enabled backend: which slots they are, how they
     reach the device (``StagingRing``), and their counters in the mover's ``stats``
@@ -483,8 +494,11 @@ class DiskTier:
         maps: FileMaps | None = None,
     ) -> None:
         self.maps = maps
+        self._scratch: torch.Tensor | None = None  # the reader thread's read-ahead buffer
         self._files: dict[int, tuple[str, int]] = {}  # id(slot) -> (path, byte offset)
         self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._fds)  # a tier dropped without close()
         self.plan = plan
         self.platform = platform
         self.stats = stats
@@ -523,12 +537,13 @@ class DiskTier:
 
     def _fd(self, path: str) -> int:
         """A read-only descriptor of ``path``, opened once, advised sequential."""
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return fd
+        with self._fd_lock:  # the reader thread opens files too
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            return fd
 
     def _fill(self, slot: Any) -> Any:
         """How the ring reads ``slot``'s bytes: ``os.preadv`` from its file straight into
@@ -560,6 +575,20 @@ class DiskTier:
         return entry is not None and entry[0] is slot and slot.host is not None and (
             slot.host.data_ptr() == entry[1]
         )
+
+    def read_file(self, slot: Any) -> bool:
+        """The reader thread's read ahead of ``slot``: its file bytes read with
+        ``os.preadv`` into a scratch buffer of ``_SCRATCH`` bytes (its own, reused), which
+        brings them into the page cache without mapping them; False when ``slot`` has no
+        file to read (written, or no ``preadv``)."""
+        fill = self._fill(slot)
+        if fill is None:
+            return False
+        if self._scratch is None:
+            self._scratch = torch.empty(_SCRATCH, dtype=torch.uint8)
+        for start in range(0, slot.nbytes, _SCRATCH):
+            fill(self._scratch[: min(_SCRATCH, slot.nbytes - start)], start)
+        return True
 
     def _read(self, nbytes: int, seconds: float) -> None:
         self.stats.disk_read_bytes += nbytes
@@ -671,9 +700,8 @@ class DiskTier:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._fd_lock:
+            _close_all(self._fds)
         if self._closed:
             return
         self._closed = True
