@@ -27,6 +27,7 @@ __all__ = [
     "PIN_CHUNK",
     "available_host_bytes",
     "locked_memory_limit",
+    "page_out",
     "pin_in_place",
     "pin_pieces",
     "unpin_in_place",
@@ -126,3 +127,30 @@ def locked_memory_limit() -> int | None:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+ (include/uapi/asm-generic/mman-common.h)
+_PAGE = 4096
+
+
+def page_out(t: torch.Tensor) -> bool:
+    """Ask the kernel to reclaim the pages of host tensor ``t``'s bytes from this process
+    (``madvise(MADV_PAGEOUT)`` on the whole pages inside its span): clean file-backed pages
+    are dropped from the process (they no longer count in its RssFile, and the page cache
+    may then drop them), dirty or anonymous pages are written to swap, never lost (unlike
+    ``MADV_DONTNEED``, which would discard a private page a caller wrote into). Source:
+    madvise(2). Returns False where the call is not available or refused (older kernels:
+    EINVAL); nothing changes then."""
+    start = t.data_ptr()
+    nbytes = t.numel() * t.element_size()
+    lo = -(-start // _PAGE) * _PAGE
+    hi = (start + nbytes) // _PAGE * _PAGE
+    if t.device.type != "cpu" or hi <= lo:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) == 0
+    except (OSError, AttributeError):
+        return False

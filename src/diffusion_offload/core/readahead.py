@@ -22,9 +22,10 @@ class ReadAhead:
     It learns the order of loads (which slot was loaded after which, last time: the next
     blocks in layer mode, the next component's slots in module mode) and, after each
     load, reads the slots that followed it, at most ``limit`` bytes ahead (the staging
-    ring's size): their pages come into the page cache (``DiskTier.read_file``: read from
-    the file into a small scratch buffer, so no page is mapped into the process and the
-    kernel may still drop them; a slot without a file: one byte a page of its map), and the ``DiskTier.read_delay`` knob is slept
+    ring's size): their pages come into the page cache (``DiskTier.read_file``: the kernel
+    is advised to read them, ``POSIX_FADV_WILLNEED``, so no page is mapped into the
+    process and the kernel may still drop them; a slot without a file: one byte a page of
+    its map is read), and the ``DiskTier.read_delay`` knob is slept
     there instead of in the load. A load of a slot being read waits for it.
 
     The thread holds only a weak reference to its ``ReadAhead`` while it waits (and to

@@ -71,9 +71,6 @@ AUTO_RESERVE = 2 << 30
 FP_BLOCK = 4096
 """Fingerprints (8 bytes each) per host buffer of a disk tier's write-check records."""
 
-_SCRATCH = 1 << 20
-"""Bytes of the reader thread's scratch buffer for reads ahead (1 MiB)."""
-
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
 
 
@@ -494,7 +491,6 @@ class DiskTier:
         maps: FileMaps | None = None,
     ) -> None:
         self.maps = maps
-        self._scratch: torch.Tensor | None = None  # the reader thread's read-ahead buffer
         self._files: dict[int, tuple[str, int]] = {}  # id(slot) -> (path, byte offset)
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
@@ -533,6 +529,9 @@ class DiskTier:
             path, start = back
             within = slot.host.data_ptr() - slot.host.untyped_storage().data_ptr()
             self._files[id(slot)] = (path, start + within)
+            # read from the file from now on: the pages loading mapped leave the process
+            # (RssFile), so the kernel can drop them from the page cache
+            hostmem.page_out(slot.host)
         return True
 
     def _fd(self, path: str) -> int:
@@ -577,17 +576,17 @@ class DiskTier:
         )
 
     def read_file(self, slot: Any) -> bool:
-        """The reader thread's read ahead of ``slot``: its file bytes read with
-        ``os.preadv`` into a scratch buffer of ``_SCRATCH`` bytes (its own, reused), which
-        brings them into the page cache without mapping them; False when ``slot`` has no
-        file to read (written, or no ``preadv``)."""
-        fill = self._fill(slot)
-        if fill is None:
+        """The reader thread's read ahead of ``slot``: ``posix_fadvise(WILLNEED)`` on its
+        file bytes, so the kernel reads them into the page cache in the background (no
+        copy, no page mapped into the process: the kernel may still drop them); the load's
+        ``os.preadv`` then copies from the page cache. False when ``slot`` has no file to
+        advise (written, or no ``posix_fadvise``/``preadv`` here)."""
+        where = self._files.get(id(slot))
+        if where is None or id(slot) in self._written or self._fill(slot) is None:
             return False
-        if self._scratch is None:
-            self._scratch = torch.empty(_SCRATCH, dtype=torch.uint8)
-        for start in range(0, slot.nbytes, _SCRATCH):
-            fill(self._scratch[: min(_SCRATCH, slot.nbytes - start)], start)
+        if not hasattr(os, "posix_fadvise"):
+            return False
+        os.posix_fadvise(self._fd(where[0]), where[1], slot.nbytes, os.POSIX_FADV_WILLNEED)
         return True
 
     def _read(self, nbytes: int, seconds: float) -> None:
