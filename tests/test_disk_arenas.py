@@ -130,7 +130,7 @@ def test_the_ring_packs_sources_at_their_offsets_with_zero_padding(fake_device):
     read: list[int] = []
     fa.reset_stats()
     copies = ring.copy(
-        [(o, src, k, None) for k, (o, src) in enumerate(zip(offsets, sources))], dst, lambda n, seconds: read.append(n),
+        [(o, src.numel(), k, None, src) for k, (o, src) in enumerate(zip(offsets, sources))], dst, lambda n, seconds: read.append(n),
         lambda k: calls.append(("begin", k)), lambda k: calls.append(("end", k)),
     )
     s = fa.stats()

@@ -335,6 +335,10 @@ def test_resident_layers_beyond_the_block_count_is_refused_before_anything_moves
     assert get_hook(pipe.transformer) is None
 
 
+# the broken wait races twice: in the forward (the error this test expects) and in the
+# release's write check that the block's always-called post-hook then runs, which torch
+# reports as a warning ("raised an exception that was silenced")
+@pytest.mark.filterwarnings("ignore:module forward hook with:UserWarning")
 def test_a_mover_that_skips_the_event_wait_is_caught(fake_device, monkeypatch):
     pipe = OneDiT(num_blocks=4)
     monkeypatch.setattr(BlockStreamer, "_wait", lambda self, block: None)

@@ -36,10 +36,11 @@ Fill = Callable[[torch.Tensor, int], None]
 """``fill(view, start)``: write bytes ``start .. start + view.numel()`` of a source into
 ``view`` (a pinned host ``uint8`` buffer), e.g. ``os.preadv`` from its file."""
 
-Span = tuple[int, torch.Tensor, Any, "Fill | None"]
-"""``(offset, source, key, fill)``: a host ``uint8`` source placed at byte ``offset`` of
-the destination; ``key`` (a slot) is handed to the ``begin``/``end`` callbacks; ``fill``
-reads its bytes into the ring (None: copied from ``source``, its memory map)."""
+Span = tuple[int, int, Any, "Fill | None", "torch.Tensor | None"]
+"""``(offset, nbytes, key, fill, source)``: ``nbytes`` placed at byte ``offset`` of the
+destination; ``key`` is handed to the ``begin``/``end`` callbacks; ``fill`` reads the bytes
+into the ring, else they are copied from ``source`` (a host ``uint8`` tensor, e.g. a
+memory map; a ring without pinned buffers always copies from it)."""
 
 
 class StagingRing:
@@ -113,8 +114,9 @@ class StagingRing:
         outside them set to zero, on the current stream.
 
         ``read(nbytes, seconds)`` is called for each piece read from a source (the disk
-        tier's counters: its bytes and the seconds its read took; each piece is read by its span's ``fill`` when it has one), ``begin(key)`` before the first byte of a source is read and
-        ``end(key)`` after its last one (the reader thread's hooks).
+        tier's counters: its bytes and the seconds its read took; each piece is read by
+        its span's ``fill`` when it has one), ``begin(key)`` before the first byte of a
+        span is read and ``end(key)`` after its last one (the reader thread's hooks).
 
         Returns:
             The H2D copies queued: ``ceil(dst.numel() / chunk)`` with a pinned ring, one
@@ -130,20 +132,21 @@ class StagingRing:
             buf = self._buffer()[: hi - lo]
             pos = lo
             while k < len(spans) and spans[k][0] < hi:
-                offset, src, key, fill = spans[k]
-                a, b = max(offset, lo), min(offset + src.numel(), hi)
+                offset, n, key, fill, src = spans[k]
+                a, b = max(offset, lo), min(offset + n, hi)
                 if a > pos:
                     buf[pos - lo : a - lo].zero_()
                 if a == offset and begin is not None:
                     begin(key)
                 t0 = time.perf_counter()
                 if fill is None:
+                    assert src is not None
                     buf[a - lo : b - lo].copy_(src[a - offset : b - offset])
                 else:
                     fill(buf[a - lo : b - lo], a - offset)
                 read(b - a, time.perf_counter() - t0)
                 pos = b
-                if b < offset + src.numel():
+                if b < offset + n:
                     break  # continues in the next chunk
                 if end is not None:
                     end(key)
@@ -165,7 +168,8 @@ class StagingRing:
     ) -> int:
         copies = 0
         pos = 0
-        for offset, src, key, _ in spans:  # no pinned buffer to read into: from the map
+        for offset, _, key, _, src in spans:  # no pinned buffer to read into: from the map
+            assert src is not None
             if offset > pos:
                 dst[pos:offset].zero_()
             if begin is not None:

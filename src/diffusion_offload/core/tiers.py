@@ -534,6 +534,13 @@ class DiskTier:
             hostmem.page_out(slot.host)
         return True
 
+    def file_position(self, slot: Any) -> tuple[str, int]:
+        """``(file path, byte offset)`` of the disk-backed ``slot``'s bytes (``("", 0)``
+        when unknown): disk arenas lay their slots out in this order, so a load reads
+        runs of back-to-back tensors (safetensors orders a file's tensors by dtype and
+        name, not by module order)."""
+        return self._files.get(id(slot), ("", 0))
+
     def _fd(self, path: str) -> int:
         """A read-only descriptor of ``path``, opened once, advised sequential."""
         with self._fd_lock:  # the reader thread opens files too
@@ -554,7 +561,10 @@ class DiskTier:
         where = self._files.get(id(slot))
         if where is None or id(slot) in self._written or not hasattr(os, "preadv"):
             return None
-        path, base = where
+        return self._file_fill(*where)
+
+    def _file_fill(self, path: str, base: int) -> Any:
+        """A ring ``Fill`` reading bytes of ``path`` from byte ``base`` on (``os.preadv``)."""
         fd = self._fd(path)
 
         def fill(view: torch.Tensor, start: int) -> None:
@@ -593,34 +603,59 @@ class DiskTier:
         self.stats.disk_read_bytes += nbytes
         self.stats.disk_read_seconds += seconds
 
-    def _begin(self, slot: Any) -> None:
-        """Before the first byte of ``slot`` is read: wait for the reader if it is reading
-        it, or sleep the ``read_delay`` knob if nobody read it ahead."""
-        self._loaded.discard(id(slot))
-        where = self._files.get(id(slot))
-        if where is not None and hasattr(os, "posix_fadvise"):  # the kernel reads it all ahead
-            os.posix_fadvise(self._fd(where[0]), where[1], slot.nbytes, os.POSIX_FADV_WILLNEED)
+    def _begin(self, slots: tuple[Any, ...]) -> None:
+        """Before the first byte of ``slots`` (one span: consecutive in their file) is
+        read: advise the kernel to read them, wait for the reader if it is reading one,
+        or sleep the ``read_delay`` knob for those nobody read ahead."""
         reader = self.reader
-        if reader is not None:
-            reader.take(slot)
-        elif self.read_delay:
-            time.sleep(self.read_delay * slot.nbytes)
+        for slot in slots:
+            self._loaded.discard(id(slot))
+            where = self._files.get(id(slot))
+            if where is not None and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd(where[0]), where[1], slot.nbytes, os.POSIX_FADV_WILLNEED)
+            if reader is not None:
+                reader.take(slot)
+            elif self.read_delay:
+                time.sleep(self.read_delay * slot.nbytes)
 
-    def _end(self, slot: Any) -> None:
-        """After the last byte of ``slot`` is read: the reader reads what followed it."""
+    def _end(self, slots: tuple[Any, ...]) -> None:
+        """After the last byte of ``slots`` is read: the reader reads what followed them."""
         if self.reader is not None:
-            self.reader.after(slot)
+            for slot in slots:
+                self.reader.after(slot)
 
     def _stage(self, spans: list[Any], dst: torch.Tensor) -> None:
         reuses = self.ring.reuses
         self.stats.staging_copies += self.ring.copy(spans, dst, self._read, self._begin, self._end)
         self.stats.staging_waits += self.ring.reuses - reuses
 
+    def _spans(self, placed: list[tuple[int, Any]]) -> list[Any]:
+        """The ring's spans for ``(offset, slot)`` pairs in offset order: with a pinned
+        ring, slots back to back both in the destination and in one file are one span
+        (one ``os.preadv`` per staging chunk of the run instead of one per tensor: a
+        safetensors file stores a model's tensors back to back)."""
+        spans: list[list[Any]] = []
+        for offset, slot in placed:
+            fill = self._fill(slot)
+            where = self._files.get(id(slot)) if fill is not None else None
+            last = spans[-1] if spans else None
+            if (
+                self.ring.pin and where is not None and last is not None and last[5] is not None
+                and last[0] + last[1] == offset and last[5][0] == where[0]
+                and last[5][1] + last[1] == where[1]
+            ):
+                last[1] += slot.nbytes
+                last[2] += (slot,)
+                last[3] = self._file_fill(*last[5])
+                continue
+            spans.append([offset, slot.nbytes, (slot,), fill, slot.host, where])
+        return [(o, n, keys, fill, src if len(keys) == 1 else None) for o, n, keys, fill, src, _ in spans]
+
     def to_device(self, slot: Any, device: torch.device) -> torch.Tensor:
         """A device copy of the disk-backed ``slot``'s host span (``uint8``), through the
         ring (a slot loaded by itself: its arena is not loaded whole)."""
         dst = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
-        self._stage([(0, slot.host, slot, self._fill(slot))], dst)
+        self._stage(self._spans([(0, slot)]), dst)
         return dst
 
     def arena_to_device(self, arena: Any, device: torch.device) -> torch.Tensor:
@@ -628,8 +663,7 @@ class DiskTier:
         the disk arena's slots at their offsets, padding zeroed (``arena.Arena`` without a
         host buffer): one H2D copy per staging chunk, on the current stream."""
         dst = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
-        spans = [(arena.offsets[id(s)], s.host, s, self._fill(s)) for s in arena.slots]
-        self._stage(spans, dst)
+        self._stage(self._spans([(arena.offsets[id(s)], s) for s in arena.slots]), dst)
         return dst
 
     def record(self, slot: Any) -> None:

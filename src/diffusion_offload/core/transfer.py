@@ -434,6 +434,7 @@ class Mover:
             s for s in slots
             if s.arena is None and s.nbytes > 0 and not any(_is_dtensor(m.obj) for m in s.members)
         ]
+        todo.sort(key=self.disk.file_position)  # in file order: read in runs, not per tensor
         for index, offsets, nbytes in layout([s.nbytes for s in todo], self.arena_bytes):
             arena = Arena(None, False, nbytes)
             for i, offset in zip(index, offsets):
