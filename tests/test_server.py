@@ -397,6 +397,7 @@ def test_metrics_match_engine_statistics(image_server: Running) -> None:
         ("diffusion_offload_weight_d2h_bytes_total", stats.d2h_bytes),
         ("diffusion_offload_weight_loads_total", stats.loads),
         ("diffusion_offload_weight_evictions_total", stats.evictions),
+        ("diffusion_offload_disk_read_bytes_total", stats.disk_read_bytes),
     ):
         assert metric(after, name) == value, name
     moved = stats.since(stats_before)

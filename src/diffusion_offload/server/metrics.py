@@ -58,6 +58,8 @@ _STATS = (
     ("loads", "weight_loads", "Component loads that moved weights to the device."),
     ("evictions", "weight_evictions", "Component evictions that moved weights off the device."),
     ("transfer_seconds", "weight_transfer_seconds", "Seconds spent in weight loads and evictions."),
+    ("disk_read_bytes", "disk_read_bytes", "Bytes loads read from disk-backed host copies."),
+    ("disk_read_seconds", "disk_read_seconds", "Seconds loads spent reading disk-backed host copies."),
 )
 
 
