@@ -185,3 +185,81 @@ def test_a_write_into_a_disk_backed_weight_is_seen_by_the_arena_check(mode, save
     finally:
         backend.disable()
         gc.collect()
+
+
+def _resident_fraction(ranges: list[tuple[str, int, int]]) -> float:
+    """The fraction of the pages of ``ranges`` (path, offset, bytes) in the page cache:
+    ``mincore`` on a fresh private map of each file (mapping reads nothing; the map is
+    writable only so ctypes can take its address, nothing is written)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    total = resident = 0
+    for path, offset, n in ranges:
+        lo, hi = offset // page * page, -(-(offset + n) // page) * page
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        hi = min(hi, -(-len(m) // page) * page)
+        anchor = ctypes.c_char.from_buffer(m)
+        vec = (ctypes.c_ubyte * ((hi - lo) // page))()
+        assert libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor) + lo), ctypes.c_size_t(hi - lo), vec) == 0
+        total += len(vec)
+        resident += sum(v & 1 for v in vec)
+        del anchor
+        m.close()
+    return resident / total
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> tuple[Path, int]:
+    """A tiny Wan2.1 whose DiT has 4 blocks of 3 MiB feed-forward tensors (page-sized
+    tensors: a small model's tensors share their pages)."""
+    from test_host_budget import _save_big_wan
+
+    import os
+
+    directory = tmp_path_factory.mktemp("disk-arenas-wide")
+    nbytes = _save_big_wan(directory, num_layers=4, ffn_dim=16384)
+    os.sync()  # written back: the kernel drops no dirty page (a model on disk is clean)
+    return directory, nbytes
+
+
+@pytest.mark.parametrize("setting", ["drop", "keep"])
+def test_page_cache_drop_leaves_no_read_page_in_the_cache(setting, wide, fake_device, caplog):
+    """``page_cache="drop"``: after a request the disk-backed bytes' file pages are out of
+    the page cache (``POSIX_FADV_DONTNEED`` after each copy; at most 10 % left); ``"keep"``:
+    at least 90 % of them are in it. The start line says which is in force."""
+    import logging
+
+    from test_host_budget import _call
+
+    directory, dit_bytes = wide
+    pipe = _load(directory)
+    backend = LayerwiseOffloadBackend({"mode": "layer", "components": ["dit"]}, fake_device,
+                                      host_memory_budget=dit_bytes // 4, page_cache=setting)
+    with caplog.at_level(logging.INFO, logger="diffusion_offload"):
+        backend.enable(pipe)
+    try:
+        line = {"drop": "dropped after its copy (page_cache='drop')",
+                "keep": "kept in the page cache (page_cache='keep')"}[setting]
+        assert any(line in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        disk = backend.mover.disk
+        ranges = [(*disk._files[id(s)], s.nbytes) for s, _ in disk._slots.values() if id(s) in disk._files]
+        assert sum(n for *_, n in ranges) >= dit_bytes // 2
+        _call(pipe)
+        fraction = _resident_fraction(ranges)
+        if setting == "drop":
+            assert fraction <= 0.1, fraction
+        else:
+            assert fraction >= 0.9, fraction
+    finally:
+        backend.disable()
+        gc.collect()
+
+
+def test_page_cache_refuses_an_unknown_setting(fake_device):
+    with pytest.raises(ValueError, match=r"page_cache must be one of 'auto', 'drop', 'keep', got 'never'"):
+        ModelLevelOffloadBackend({"mode": "module", "components": ["dit"]}, fake_device,
+                                 host_memory_budget=1 << 20, page_cache="never")

@@ -378,6 +378,8 @@ def _generate(args: argparse.Namespace) -> int:
             extra["device_memory_budget"] = args.device_memory_budget
         if getattr(args, "host_memory_budget", None) is not None:
             extra["host_memory_budget"] = args.host_memory_budget
+        if getattr(args, "page_cache", None) is not None:
+            extra["page_cache"] = args.page_cache
         engine = build_omni(
             model_dir, config, variant=args.variant, max_pinned_bytes=args.max_pinned_memory,
             device=device, dtype=args.dtype, trace=trace_path is not None,

@@ -392,6 +392,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cgroup limit - usage) minus a reserve of min(10%%, 2 GiB); weights that do "
                         "not fit stay on disk, memory-mapped from their safetensors files and read "
                         "at every load (default: no budget, every host copy in RAM)")
+    p.add_argument("--page-cache", choices=("auto", "drop", "keep"), default=None,
+                   help="with --host-memory-budget: drop the file pages a disk-backed load "
+                        "read once it copied them (a container's memory limit counts page "
+                        "cache), or keep them; auto (the default) drops under a cgroup memory "
+                        "limit")
     p.add_argument("--lora", metavar="PATH[:SCALE]", type=_lora_type, action="append",
                    help="a LoRA (.safetensors file, folder or hub id) loaded with diffusers' "
                         "load_lora_weights after offload is enabled, at SCALE (default 1); "

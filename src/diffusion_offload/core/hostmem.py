@@ -26,6 +26,8 @@ from .platform import Platform
 __all__ = [
     "PIN_CHUNK",
     "available_host_bytes",
+    "PAGE_CACHE",
+    "check_page_cache",
     "locked_memory_limit",
     "page_out",
     "pin_in_place",
@@ -154,3 +156,21 @@ def page_out(t: torch.Tensor) -> bool:
         return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) == 0
     except (OSError, AttributeError):
         return False
+
+
+PAGE_CACHE = ("auto", "drop", "keep")
+"""The ``page_cache`` settings of a host budget's disk-backed loads: ``"drop"`` the file
+pages a load read (``POSIX_FADV_DONTNEED`` after its copy: a cgroup's memory limit counts
+page cache, so they must not pile up there), ``"keep"`` them (the next request reads them
+from RAM), ``"auto"``: drop under a cgroup memory limit, else keep."""
+
+
+def check_page_cache(value: object) -> str:
+    """Validate a ``page_cache`` setting (``PAGE_CACHE``).
+
+    Raises:
+        ValueError: naming the field, the value and what is allowed.
+    """
+    if not isinstance(value, str) or value not in PAGE_CACHE:
+        raise ValueError(f"page_cache must be one of {', '.join(map(repr, PAGE_CACHE))}, got {value!r}")
+    return value

@@ -56,6 +56,7 @@ __all__ = [
     "HostBudgetError",
     "TierPlan",
     "auto_host_budget",
+    "cgroup_limited",
     "check_budget",
     "file_backed",
     "host_room",
@@ -152,6 +153,12 @@ def _cgroup_rooms(root: Path) -> list[int]:
             usage -= min(usage, _stat_field(d / "memory.stat", inactive))
             rooms.append(max(limit - usage, 0))
     return rooms
+
+
+def cgroup_limited(root: str | os.PathLike[str] = "/") -> bool:
+    """Whether a cgroup memory limit (v2 or v1, this process's cgroup or an ancestor)
+    applies: ``page_cache="auto"`` then drops the pages disk-backed loads read."""
+    return bool(_cgroup_rooms(Path(root)))
 
 
 def host_room(root: str | os.PathLike[str] = "/") -> int | None:
@@ -489,8 +496,10 @@ class DiskTier:
         pin: bool,
         read_ahead: bool = True,
         maps: FileMaps | None = None,
+        drop_pages: bool = False,
     ) -> None:
         self.maps = maps
+        self.drop_pages = drop_pages
         self._files: dict[int, tuple[str, int]] = {}  # id(slot) -> (path, byte offset)
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
@@ -619,9 +628,14 @@ class DiskTier:
                 time.sleep(self.read_delay * slot.nbytes)
 
     def _end(self, slots: tuple[Any, ...]) -> None:
-        """After the last byte of ``slots`` is read: the reader reads what followed them."""
-        if self.reader is not None:
-            for slot in slots:
+        """After the last byte of ``slots`` is read (copied into the ring): with
+        ``drop_pages`` their file pages leave the page cache (``POSIX_FADV_DONTNEED``); the
+        reader reads what followed them."""
+        for slot in slots:
+            where = self._files.get(id(slot)) if self.drop_pages else None
+            if where is not None and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd(where[0]), where[1], slot.nbytes, os.POSIX_FADV_DONTNEED)
+            if self.reader is not None:
                 self.reader.after(slot)
 
     def _stage(self, spans: list[Any], dst: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from ..core.discovery import ROLES
 from ..core.platform import Platform, normalize_device, platform_for
 from ..core.stats import TransferStats
 from ..core.tiers import auto_host_budget, check_budget
+from ..core.hostmem import check_page_cache
 from ..models.fit import Footprint, check_fit
 from ..core.caches import clear_method_caches
 from ..models.files import ModelInfo, inspect_model, resolve_model
@@ -266,6 +267,8 @@ class Omni:
             whose safetensors weights stay file-backed (private memory maps) when loaded in
             their stored dtype, so weights past the budget stay on disk. See
             ``ModelLevelOffloadBackend``.
+        page_cache: ``"auto"``, ``"drop"`` or ``"keep"``: the file pages a disk-backed
+            load read (``core.hostmem.PAGE_CACHE``; the backends' ``page_cache``).
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -301,6 +304,7 @@ class Omni:
         device_memory_budget: int | str | None = None,
         loras: Sequence[tuple[str, float]] = (),
         host_memory_budget: int | str | None = None,
+        page_cache: str = "auto",
     ) -> None:
         start = time.perf_counter()
         detach_library_tracebacks()  # before any library is imported or loads weights
@@ -323,6 +327,7 @@ class Omni:
         self.plan_choice = None
         self.plan_message: str | None = None  # auto's pick, the line it logs
         host_memory_budget = check_budget(host_memory_budget)
+        check_page_cache(page_cache)
         if auto:
             if host_memory_budget == "auto" and not self.platform.is_noop:
                 host_memory_budget = auto_host_budget()  # before the weights are read
@@ -363,6 +368,7 @@ class Omni:
                     max_pinned_bytes=max_pinned_bytes,
                     device_memory_budget=device_memory_budget,
                     host_memory_budget=host_memory_budget,
+                    page_cache=page_cache,
                 )
             else:
                 self.backend = ModelLevelOffloadBackend(
@@ -372,6 +378,7 @@ class Omni:
                     max_pinned_bytes=max_pinned_bytes,
                     device_memory_budget=device_memory_budget,
                     host_memory_budget=host_memory_budget,
+                    page_cache=page_cache,
                 )
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:

@@ -214,6 +214,8 @@ def serve(args: argparse.Namespace) -> int:
     host_budget = getattr(args, "host_memory_budget", None)
     if host_budget is not None:
         extra["host_memory_budget"] = host_budget
+    if getattr(args, "page_cache", None) is not None:
+        extra["page_cache"] = args.page_cache
     if getattr(args, "lora", None):
         extra["loras"] = [tuple(lora) for lora in args.lora]
 

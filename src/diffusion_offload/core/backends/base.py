@@ -70,6 +70,12 @@ class OffloadBackendBase:
             (``weights_from.back_with_files``: matched by name, shape, dtype and bytes; a
             mismatch raises ``WeightsMismatchError`` naming the tensor); without it, such
             weights are RAM-only and count against the budget.
+        page_cache: with a ``host_memory_budget`` that leaves weights on disk, what
+            happens to the file pages a load read (``hostmem.PAGE_CACHE``): ``"drop"``
+            (``POSIX_FADV_DONTNEED`` after the copy, so they do not pile up in a cgroup's
+            memory, which counts page cache), ``"keep"``, or ``"auto"`` (the default:
+            drop when a cgroup memory limit applies, ``tiers.cgroup_limited``). The start
+            line says which is in force.
 
     A backend is a context manager: ``with ModelLevelOffloadBackend(...) as b:
     b.enable(pipe)`` disables on exit.
@@ -95,6 +101,7 @@ class OffloadBackendBase:
         max_pinned_bytes: int | None = None,
         host_memory_budget: int | str | None = None,
         weights_from: str | os.PathLike[str] | None = None,
+        page_cache: str = "auto",
     ) -> None:
         parsed = parse_diffusion_offload_config(config)
         if parsed is None:
@@ -120,6 +127,7 @@ class OffloadBackendBase:
         self.use_hsdp = use_hsdp
         self.max_pinned_bytes = max_pinned_bytes
         self.host_memory_budget = tiers.check_budget(host_memory_budget)
+        self.page_cache = hostmem.check_page_cache(page_cache)
         if weights_from is not None and not isinstance(weights_from, (str, os.PathLike)):
             raise TypeError(f"weights_from must be a folder path (str or PathLike) or None, got {weights_from!r}")
         self.weights_from = weights_from
@@ -376,10 +384,16 @@ class OffloadBackendBase:
         )
         plan = tiers.plan_tiers(payloads.values(), budget, maps, unit, on_device)
         self.tier_plan = plan
-        logger.info(plan.line())
         if not plan.disk_bytes:
+            logger.info(plan.line())
             return None
-        return tiers.DiskTier(plan, self.platform, self.mover.stats, self.mover.pin, maps=maps)
+        drop = self.page_cache == "drop" or (self.page_cache == "auto" and tiers.cgroup_limited())
+        why = f"page_cache={self.page_cache!r}"
+        if self.page_cache == "auto":
+            why += ": a cgroup memory limit applies" if drop else ": no cgroup memory limit"
+        logger.info("%s; the file pages a load reads are %s (%s)", plan.line(),
+                    "dropped after its copy" if drop else "kept in the page cache", why)
+        return tiers.DiskTier(plan, self.platform, self.mover.stats, self.mover.pin, maps=maps, drop_pages=drop)
 
     def _placement_breaches(self) -> list[str]:
         """Per tensor of every component: managed, and on the side its slot and its

@@ -274,10 +274,12 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         device_memory_budget: int | str | None = None,
         host_memory_budget: int | str | None = None,
         weights_from: str | os.PathLike[str] | None = None,
+        page_cache: str = "auto",
     ) -> None:
         super().__init__(
             config, device, component_roles=component_roles, max_pinned_bytes=max_pinned_bytes,
             host_memory_budget=host_memory_budget, weights_from=weights_from,
+            page_cache=page_cache,
         )
         if device_memory_budget != "auto":  # the bytes of "auto" are measured at enable
             resolve_budget(device_memory_budget, self.platform)

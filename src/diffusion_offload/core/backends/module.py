@@ -54,6 +54,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         device_memory_budget: int | str | None = None,
         host_memory_budget: int | str | None = None,
         weights_from: str | os.PathLike[str] | None = None,
+        page_cache: str = "auto",
     ) -> None:
         super().__init__(
             config,
@@ -63,6 +64,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
             max_pinned_bytes=max_pinned_bytes,
             host_memory_budget=host_memory_budget,
             weights_from=weights_from,
+            page_cache=page_cache,
         )
         if device_memory_budget is not None:
             # validate now (the bytes of "auto" are measured at enable)
