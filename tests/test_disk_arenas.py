@@ -229,8 +229,9 @@ def wide(tmp_path_factory) -> tuple[Path, int]:
 @pytest.mark.parametrize("setting", ["drop", "keep"])
 def test_page_cache_drop_leaves_no_read_page_in_the_cache(setting, wide, fake_device, caplog):
     """``page_cache="drop"``: after a request the disk-backed bytes' file pages are out of
-    the page cache (``POSIX_FADV_DONTNEED`` after each copy; at most 10 % left); ``"keep"``:
-    at least 90 % of them are in it. The start line says which is in force."""
+    the page cache (``POSIX_FADV_DONTNEED`` after each copy; at most 25 % left: the kernel
+    skips pages still in another CPU's LRU batch, seen beside other tests); ``"keep"``: at
+    least 90 % of them are in it. The start line says which is in force."""
     import logging
 
     from test_host_budget import _call
@@ -251,7 +252,7 @@ def test_page_cache_drop_leaves_no_read_page_in_the_cache(setting, wide, fake_de
         _call(pipe)
         fraction = _resident_fraction(ranges)
         if setting == "drop":
-            assert fraction <= 0.1, fraction
+            assert fraction <= 0.25, fraction
         else:
             assert fraction >= 0.9, fraction
     finally:

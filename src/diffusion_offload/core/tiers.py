@@ -632,16 +632,23 @@ class DiskTier:
         ``drop_pages`` their file pages leave the page cache (``POSIX_FADV_DONTNEED``); the
         reader reads what followed them."""
         for slot in slots:
-            where = self._files.get(id(slot)) if self.drop_pages else None
-            if where is not None and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd(where[0]), where[1], slot.nbytes, os.POSIX_FADV_DONTNEED)
+            self._drop(slot)
             if self.reader is not None:
                 self.reader.after(slot)
+
+    def _drop(self, slot: Any) -> None:
+        """With ``drop_pages``: ``POSIX_FADV_DONTNEED`` on ``slot``'s file range."""
+        where = self._files.get(id(slot)) if self.drop_pages else None
+        if where is not None and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(where[0]), where[1], slot.nbytes, os.POSIX_FADV_DONTNEED)
 
     def _stage(self, spans: list[Any], dst: torch.Tensor) -> None:
         reuses = self.ring.reuses
         self.stats.staging_copies += self.ring.copy(spans, dst, self._read, self._begin, self._end)
         self.stats.staging_waits += self.ring.reuses - reuses
+        for span in spans if self.drop_pages else ():  # again: DONTNEED skips pages still
+            for slot in span[2]:  # in another CPU's LRU batch
+                self._drop(slot)
 
     def _spans(self, placed: list[tuple[int, Any]]) -> list[Any]:
         """The ring's spans for ``(offset, slot)`` pairs in offset order: with a pinned
