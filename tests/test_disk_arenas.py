@@ -264,3 +264,16 @@ def test_page_cache_refuses_an_unknown_setting(fake_device):
     with pytest.raises(ValueError, match=r"page_cache must be one of 'auto', 'drop', 'keep', got 'never'"):
         ModelLevelOffloadBackend({"mode": "module", "components": ["dit"]}, fake_device,
                                  host_memory_budget=1 << 20, page_cache="never")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_page_cache_flag_reaches_the_engine_and_refuses_other_values(command, capsys):
+    from diffusion_offload.cli_args import build_parser
+
+    required = ["--prompt", "x"] if command == "generate" else ["MODEL"]
+    args = build_parser().parse_args([command, *required, "--page-cache", "drop"])
+    assert args.page_cache == "drop"
+    assert build_parser().parse_args([command, *required]).page_cache is None  # the engine's auto
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, *required, "--page-cache", "never"])
+    assert "invalid choice: 'never'" in capsys.readouterr().err
