@@ -267,7 +267,7 @@ def test_page_cache_refuses_an_unknown_setting(fake_device):
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_the_page_cache_flag_reaches_the_engine_and_refuses_other_values(command, capsys):
+def test_the_page_cache_flag_parses_and_refuses_other_values(command, capsys):
     from diffusion_offload.cli_args import build_parser
 
     required = ["--prompt", "x"] if command == "generate" else ["MODEL"]
