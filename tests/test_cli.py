@@ -433,6 +433,9 @@ def test_mp4_report_and_trace(runs):
     assert set(report["timings"]) == {"load", "text_encoding", "denoising", "decoding", "total"}
     assert all(v >= 0 for v in report["timings"].values())
     assert report["peak_device_memory_bytes"] > 0
+    # the sampled host peak: a Python process with torch loaded holds far more than 10 MiB
+    assert set(report["peak_host_memory"]) == {"rss_anon_bytes", "rss_file_bytes"}
+    assert all(v > 10 << 20 for v in report["peak_host_memory"].values())
     stats = report["offload_stats"]
     assert set(stats) == {f.name for f in dataclasses.fields(TransferStats)}  # every counter
     assert {"h2d_bytes", "d2h_bytes", "loads", "evictions", "pinned_bytes", "disk_read_bytes"} <= set(stats)

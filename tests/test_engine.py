@@ -173,6 +173,23 @@ def test_offload_matches_all_resident(kind, source, models, request, fake_device
     assert ref.offload_stats["h2d_bytes"] == 0 and ref.offload_stats["loads"] == 0
     assert 0 < out.peak_device_memory_bytes < ref.peak_device_memory_bytes
     assert out.peak_device_memory_bytes == dev["peak_bytes"]
+    assert set(out.peak_host_memory) == {"rss_anon_bytes", "rss_file_bytes"}
+
+
+def test_the_host_peak_sees_an_allocation_made_and_freed_inside_it():
+    """``PeakHostMemory``: 64 MiB written and freed inside the ``with`` raise the sampled
+    anonymous peak by at least 60 MiB over the resident bytes at entry."""
+    import time
+
+    from diffusion_offload.engine.hostrss import PeakHostMemory, rss
+
+    before = rss()["rss_anon_bytes"]
+    with PeakHostMemory(interval=0.001) as host:
+        block = np.ones(64 << 20, dtype=np.uint8)  # written: resident
+        time.sleep(0.05)  # several samples while it is alive
+        del block
+    assert host.peak["rss_anon_bytes"] >= before + (60 << 20), (host.peak, before)
+    assert rss()["rss_anon_bytes"] < host.peak["rss_anon_bytes"]
 
 
 def test_unknown_hub_id_offline(hub_cache):

@@ -454,6 +454,7 @@ def _generate(args: argparse.Namespace) -> int:
             "config": config.to_dict() if config is not None else None,
             "timings": timings,
             "peak_device_memory_bytes": result.peak_device_memory_bytes,
+            "peak_host_memory": result.peak_host_memory,
             "offload_stats": result.offload_stats,
             "output": str(out_path),
             "versions": {

@@ -22,6 +22,7 @@ from ..core.platform import Platform, normalize_device, platform_for
 from ..core.stats import TransferStats
 from ..core.tiers import auto_host_budget, check_budget
 from ..core.hostmem import check_page_cache
+from .hostrss import PeakHostMemory
 from ..models.fit import Footprint, check_fit
 from ..core.caches import clear_method_caches
 from ..models.files import ModelInfo, inspect_model, resolve_model
@@ -667,6 +668,30 @@ class Omni:
         videos: list = []
         timings = {stage: 0.0 for stage in _STAGES}
         request_start = time.perf_counter()
+        with PeakHostMemory() as host:
+            self._outputs(pipe, prompt, negative, n, seed, item, kwargs, timings, images, videos)
+        total = time.perf_counter() - request_start
+        timings["total"] = total
+        if not self._load_reported:  # the load belongs to the first request only
+            self._load_reported = True
+            timings = {"load": self.load_seconds, **timings}
+        peak = self.platform.memory_stats().peak_bytes
+        return GenerationOutput(
+            prompt=prompt,
+            images=None if self.is_video else images,
+            frames=videos if self.is_video else None,
+            timings=timings,
+            peak_device_memory_bytes=peak,
+            peak_host_memory=dict(host.peak),
+            offload_stats=self.stats.since(before).as_dict(),
+            negative_prompt=negative,
+        )
+
+    def _outputs(self, pipe: Any, prompt: str, negative: str | None, n: int, seed: int,
+                 item: PromptItem, kwargs: dict[str, Any], timings: dict[str, float],
+                 images: list, videos: list) -> None:
+        """The ``n`` outputs of one prompt, appended to ``images`` or ``videos``; stage
+        seconds added to ``timings``."""
         for i in range(n):
             call = dict(kwargs)
             if negative is not None:
@@ -689,21 +714,6 @@ class Omni:
                 videos.append(list(result.frames[0]))
             else:
                 images.append(result.images[0])
-        total = time.perf_counter() - request_start
-        timings["total"] = total
-        if not self._load_reported:  # the load belongs to the first request only
-            self._load_reported = True
-            timings = {"load": self.load_seconds, **timings}
-        peak = self.platform.memory_stats().peak_bytes
-        return GenerationOutput(
-            prompt=prompt,
-            images=None if self.is_video else images,
-            frames=videos if self.is_video else None,
-            timings=timings,
-            peak_device_memory_bytes=peak,
-            offload_stats=self.stats.since(before).as_dict(),
-            negative_prompt=negative,
-        )
 
     def trace_dict(self) -> dict[str, Any]:
         """The Chrome trace of everything recorded so far.

@@ -90,8 +90,12 @@ class GenerationOutput:
             excluded); ``load`` (the engine's load time, also ``Omni.load_seconds``) only
             in the first request's outputs.
         peak_device_memory_bytes: peak device bytes during this request (reset per request).
-        offload_stats: weight moves of this request from the engine's own counters:
-            ``h2d_bytes``, ``d2h_bytes``, ``loads``, ``evictions``, ``transfer_seconds``.
+        peak_host_memory: sampled peak resident host memory during this request, bytes:
+            ``rss_anon_bytes`` and ``rss_file_bytes`` (``engine.hostrss``; ``{}`` off Linux).
+        offload_stats: this request's ``TransferStats`` (``core.stats``): weight moves
+            (``h2d_bytes``, ``d2h_bytes``, ``loads``, ``evictions``, ``transfer_seconds``...),
+            the host tiers' gauges (``pinned_bytes``, ``disk_backed_bytes``...) and disk
+            reads (``disk_read_bytes``, ``disk_read_seconds``, ``staging_copies``...).
         negative_prompt: the negative prompt, if any.
     """
 
@@ -100,5 +104,6 @@ class GenerationOutput:
     frames: list[list[Image.Image]] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     peak_device_memory_bytes: int = 0
+    peak_host_memory: dict[str, int] = field(default_factory=dict)
     offload_stats: dict[str, float] = field(default_factory=dict)
     negative_prompt: str | None = None
