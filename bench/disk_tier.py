@@ -145,8 +145,7 @@ def _one(directory: Path, mode: str) -> dict[str, Any]:
     engine = Omni(str(directory), config, device="fakegpu", host_memory_budget=budget, progress=False)
     _call(engine.pipeline)
     disk = engine.backend.mover.disk
-    order = list(disk._slots.values())  # the tier's disk-backed slots, in claim order
-    ranges = [(*disk._files[id(slot)], slot.nbytes) for slot, _ in order if id(slot) in disk._files]
+    ranges = disk.file_ranges()
     rows: dict[str, Any] = {"mode": mode, "budget": budget, "weights": weights, "compute_s": compute}
     for state in ("warm", "cold"):
         if state == "cold":

@@ -80,7 +80,7 @@ def _steady(directory: Path, mode: str, device: torch.device, budget: int | None
         disk = backend.mover.disk
         chunk = disk.ring.chunk if disk is not None else 0
         # every disk-backed slot is read from its file with os.preadv, not through its map
-        direct = disk is None or all(disk._fill(slot) is not None for a in arenas.values() for slot in a.slots)
+        direct = disk is None or len(disk.file_ranges()) == sum(len(a.slots) for a in arenas.values())
         return out, s, engine, list(arenas.values()), singles, chunk if direct else -1
     finally:
         backend.disable()
@@ -247,7 +247,7 @@ def test_page_cache_drop_leaves_no_read_page_in_the_cache(setting, wide, fake_de
                 "keep": "kept in the page cache (page_cache='keep')"}[setting]
         assert any(line in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
         disk = backend.mover.disk
-        ranges = [(*disk._files[id(s)], s.nbytes) for s, _ in disk._slots.values() if id(s) in disk._files]
+        ranges = disk.file_ranges()
         assert sum(n for *_, n in ranges) >= dit_bytes // 2
         _call(pipe)
         fraction = _resident_fraction(ranges)

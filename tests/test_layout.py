@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: the core's modules, bottom to top: each imports only modules before it (core/__init__.py)
 CORE_ORDER: tuple[str, ...] = (
     "config", "platform", "caches", "hostmem", "checksum", "writes", "quantized", "arena", "stats", "transfer",
-    "readahead", "staging", "tiers",
+    "readahead", "staging", "tiers", "disktier",
     "weights_from", "checks",
     "residency", "policy", "discovery", "foreign",
     "blocks", "hooks", "streamer", "backends",

@@ -17,7 +17,9 @@ list, each importing only modules earlier in it (``tests/test_layout.py`` checks
 - ``staging``: the staging ring (``StagingRing``): pinned buffers that carry disk-backed
   bytes to the device, one H2D copy per chunk.
 - ``tiers``: the host-memory budget and its tiers (pinned, pageable, disk): ``"auto"``,
-  file-backed weights, the disk tier.
+  file-backed weights, the tier plan.
+- ``disktier``: ``DiskTier``: disk-backed host copies read from their files through the
+  staging ring, their page-cache advice and copy-on-write pages.
 - ``weights_from``: file-backing the weights of a pipeline built elsewhere from its folder.
 - ``checks``: device write checks (``LoadCheck``): what a load put on the device, what changed.
 - ``residency``: which bytes sit where (``WeightTable``, ``ComponentWeights``, slots).

@@ -87,7 +87,7 @@ class Arena:
 
     A disk arena (``host`` None, ``on_disk``) groups disk-backed slots (``tiers``): their
     host copies stay their own file maps, and a load packs them into the one device
-    allocation through the staging ring (``tiers.DiskTier.arena_to_device``, padding
+    allocation through the staging ring (``disktier.DiskTier.arena_to_device``, padding
     zeroed). It has no buffer to sum on the host: the sums recorded on the device right
     after a load (``checks.record``) are its host sums too (the device bytes then equal
     the files'), until a write into a host copy drops them; without any, its members are

@@ -104,7 +104,7 @@ def device_weights(stats: TransferStats, platform: Platform, width: int) -> torc
 
 Recorded = Callable[[TensorSlot], "torch.Tensor | None"]
 """``slot`` -> the fingerprints of its members' host copies recorded when it was loaded
-(host ``int64``, one per member; ``tiers.DiskTier.recorded``), or None when none were."""
+(host ``int64``, one per member; ``disktier.DiskTier.recorded``), or None when none were."""
 
 
 def compare_with_host(

@@ -16,8 +16,11 @@ pieces share a page). Pinning one buffer of 12 GiB or more fails on some drivers
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 import weakref
+from typing import Any
 
 import torch
 
@@ -149,13 +152,21 @@ def page_out(t: torch.Tensor) -> bool:
     hi = (start + nbytes) // _PAGE * _PAGE
     if t.device.type != "cpu" or hi <= lo:
         return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) == 0
-    except (OSError, AttributeError):
+    libc = _libc()
+    if libc is None:
         return False
+    return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) == 0
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library (``madvise``), loaded once; None where there is none to load."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise  # noqa: B018 - raises AttributeError where it is missing
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 PAGE_CACHE = ("auto", "drop", "keep")

@@ -35,7 +35,7 @@ class ReadAhead:
     holds that slot and the reader; the owner is collected once that read finishes.
 
     Args:
-        tier: the ``tiers.DiskTier`` it reads for (its ``read_delay`` is read; not
+        tier: the ``disktier.DiskTier`` it reads for (its ``read_delay`` is read; not
             imported here: ``tiers`` imports this module).
         limit: bytes read ahead of the slot last loaded, at most.
     """

@@ -303,7 +303,7 @@ class ComponentWeights:
         """Record the write-check sums of every arena of the component loaded whole and
         not recorded yet (``checks.record``), on the current stream: one product an arena,
         one asynchronous copy back of all of them, no host wait; and the fingerprints of
-        every disk-backed slot loaded by itself (``tiers.DiskTier.record``: its host copy
+        every disk-backed slot loaded by itself (``disktier.DiskTier.record``: its host copy
         is then not read again by the check at eviction). No device room for the sums:
         nothing more is recorded (the members are then compared with their host copies)."""
         disk = self.mover.disk

@@ -341,7 +341,7 @@ class Mover:
         self.max_pinned_bytes = max_pinned_bytes
         self.stats = TransferStats()
         self._pin_warned = False
-        # the disk tier (``tiers.DiskTier``) when a host budget leaves weights on disk
+        # the disk tier (``disktier.DiskTier``) when a host budget leaves weights on disk
         self.disk: Any = None
 
     # -- host copies ------------------------------------------------------------------
@@ -700,7 +700,7 @@ class Mover:
                 slot.arena.host_sums = None
 
     def _note_disk_write(self, slot: TensorSlot) -> None:
-        """A disk-backed host copy is about to be written (``tiers.DiskTier.note_write``)."""
+        """A disk-backed host copy is about to be written (``disktier.DiskTier.note_write``)."""
         if self.disk is not None and self.disk.holds(slot):
             self.disk.note_write(slot)
 

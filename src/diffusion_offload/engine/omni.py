@@ -669,7 +669,28 @@ class Omni:
         timings = {stage: 0.0 for stage in _STAGES}
         request_start = time.perf_counter()
         with PeakHostMemory() as host:
-            self._outputs(pipe, prompt, negative, n, seed, item, kwargs, timings, images, videos)
+            for i in range(n):
+                call = dict(kwargs)
+                if negative is not None:
+                    call["negative_prompt"] = negative
+                call.update(item.images_kwargs())
+                generator = torch.Generator("cpu").manual_seed(seed + i)
+                self._timer.reset()
+                try:
+                    result = pipe(prompt=prompt, generator=generator, output_type="pil", **call)
+                except torch.OutOfMemoryError as exc:
+                    raise torch.OutOfMemoryError(
+                        f"device out of memory during stage {self._timer.stage!r}: {exc}"
+                    ) from exc
+                end = time.perf_counter()
+                for stage, (s, e) in self._timer.spans(end).items():
+                    timings[stage] += e - s
+                    if self.tracer is not None:
+                        self.tracer.span(stage, "stages", s, e, prompt=prompt, output=i)
+                if self.is_video:
+                    videos.append(list(result.frames[0]))
+                else:
+                    images.append(result.images[0])
         total = time.perf_counter() - request_start
         timings["total"] = total
         if not self._load_reported:  # the load belongs to the first request only
@@ -686,34 +707,6 @@ class Omni:
             offload_stats=self.stats.since(before).as_dict(),
             negative_prompt=negative,
         )
-
-    def _outputs(self, pipe: Any, prompt: str, negative: str | None, n: int, seed: int,
-                 item: PromptItem, kwargs: dict[str, Any], timings: dict[str, float],
-                 images: list, videos: list) -> None:
-        """The ``n`` outputs of one prompt, appended to ``images`` or ``videos``; stage
-        seconds added to ``timings``."""
-        for i in range(n):
-            call = dict(kwargs)
-            if negative is not None:
-                call["negative_prompt"] = negative
-            call.update(item.images_kwargs())
-            generator = torch.Generator("cpu").manual_seed(seed + i)
-            self._timer.reset()
-            try:
-                result = pipe(prompt=prompt, generator=generator, output_type="pil", **call)
-            except torch.OutOfMemoryError as exc:
-                raise torch.OutOfMemoryError(
-                    f"device out of memory during stage {self._timer.stage!r}: {exc}"
-                ) from exc
-            end = time.perf_counter()
-            for stage, (s, e) in self._timer.spans(end).items():
-                timings[stage] += e - s
-                if self.tracer is not None:
-                    self.tracer.span(stage, "stages", s, e, prompt=prompt, output=i)
-            if self.is_video:
-                videos.append(list(result.frames[0]))
-            else:
-                images.append(result.images[0])
 
     def trace_dict(self) -> dict[str, Any]:
         """The Chrome trace of everything recorded so far.

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import hostmem, tiers
+from .. import disktier, hostmem, tiers
 from ..weights_from import back_with_files
 from ..config import DiffusionOffloadConfig, parse_diffusion_offload_config
 from ..discovery import Component, discover_components
@@ -346,7 +346,7 @@ class OffloadBackendBase:
 
     def _plan_tiers(
         self, named: dict[str, list[tuple[str, torch.Tensor]]], selected: dict[str, bool]
-    ) -> tiers.DiskTier | None:
+    ) -> disktier.DiskTier | None:
         """Choose the host tiers under ``host_memory_budget`` (``tiers.plan_tiers``), log
         the one start line, and return the disk tier when weights stay on disk (None: no
         budget, or everything fits in RAM, as without one).
@@ -393,7 +393,7 @@ class OffloadBackendBase:
             why += ": a cgroup memory limit applies" if drop else ": no cgroup memory limit"
         logger.info("%s; the file pages a load reads are %s (%s)", plan.line(),
                     "dropped after its copy" if drop else "kept in the page cache", why)
-        return tiers.DiskTier(plan, self.platform, self.mover.stats, self.mover.pin, maps=maps, drop_pages=drop)
+        return disktier.DiskTier(plan, self.platform, self.mover.stats, self.mover.pin, maps=maps, drop_pages=drop)
 
     def _placement_breaches(self) -> list[str]:
         """Per tensor of every component: managed, and on the side its slot and its
