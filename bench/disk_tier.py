@@ -160,6 +160,14 @@ def _one(directory: Path, mode: str) -> dict[str, Any]:
             "rss_anon": peak["RssAnon"], "rss_file": peak["RssFile"], "equal": bool(torch.equal(out, want)),
             "staging_copies": used.staging_copies, "staging_waits": used.staging_waits,
         }
+    s = engine.backend.stats
+    gc.collect()
+    rows["pinned"] = {  # issue 34 item 4: every pinned byte counted, within the budget
+        "pinned": s.pinned_bytes, "overhead": s.pinned_overhead_bytes, "ring": disk.ring.charged,
+        "shared": s.shared_pinned_bytes, "pageable": s.pageable_host_bytes,
+        "reserved": engine.backend.tier_plan.overhead_bytes,
+        "alive": torch.fakegpu.pinned_host_bytes(),  # the fake device's own count, as CUDA holds it
+    }
     engine.close()
     return rows
 
@@ -177,10 +185,12 @@ def main() -> None:
           "plain read (s) | ratio | disk MiB | peak RssAnon (MiB) | peak RssFile (MiB) | "
           "staging copies / waits | equal |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    pinned_rows = []
     for mode in ("module", "layer"):
         done = subprocess.run([sys.executable, __file__, "--one", str(directory), mode],
                               check=True, capture_output=True, text=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
+        pinned_rows.append((mode, row["budget"], row["pinned"]))
         for state in ("warm", "cold"):
             r = row[state]
             print(f"| {mode} | {state} | {r['wall_s']:.3f} | {row['compute_s']:.3f} | "
@@ -195,6 +205,14 @@ def main() -> None:
                 print(f"\nlayer, {state}: request wall {r['wall_s']:.3f} s vs 1.1 x max(compute "
                       f"{row['compute_s']:.3f}, read {r['plain_read_s']:.3f}) = {bound:.3f} s: "
                       f"{'met' if r['wall_s'] <= bound else 'not met'}")
+    print("\n| mode | budget | pinned_bytes | of it overhead | ring | check weights | other buffers, "
+          "padding | planned room for them | pinned alive (fake device) | pinned + pageable within budget |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for mode, budget, p in pinned_rows:
+        other = p["overhead"] - p["ring"] - p["shared"]
+        print(f"| {mode} | {budget:,} | {p['pinned']:,} | {p['overhead']:,} | {p['ring']:,} | {p['shared']:,} | "
+              f"{other:,} | {p['reserved']:,} | {p['alive']:,} | "
+              f"{'yes' if p['pinned'] + p['pageable'] <= budget else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -150,8 +150,9 @@ def test_a_write_into_a_disk_backed_weight_is_seen_by_the_arena_check(mode, save
     """An in-place write through ``.data`` into a resident disk-backed weight (peft's
     merge does this) is seen by the disk arena's check at eviction (its sums recorded at
     the load), not lost: its write-back needs a private copy-on-write page, which a budget
-    filled by the plan has no room for, so the eviction refuses (``HostBudgetError``
-    naming the bytes) and the new values stay on the device."""
+    filled to what the host holds has no room for, so the eviction refuses (``HostBudgetError``
+    naming the bytes) and the new values stay on the device. The budget is set to what the
+    host holds after a request, so no room the plan set aside is left for the write."""
     from diffusion_offload.core.tiers import HostBudgetError
 
     budget = int(0.4 * _offloaded_bytes(_load(saved)))
@@ -167,6 +168,8 @@ def test_a_write_into_a_disk_backed_weight_is_seen_by_the_arena_check(mode, save
         w = slot.members[0].obj
         before = w.detach().cpu().clone()
         halved = {}
+        s = backend.stats  # the plan's room for check buffers is not all used: fill the budget
+        backend.tier_plan.budget = s.pinned_bytes + s.pageable_host_bytes + disk.ring.reserved
 
         def halve(module, args) -> None:
             if w.device == fake_device and "done" not in halved:

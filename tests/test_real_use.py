@@ -236,7 +236,8 @@ def test_max_pinned_bytes_pins_up_to_the_cap(fake_device):
         slots = {id(s): s for c in backend.components.values() if c.selected for s in c.slots}
         pinned = sum(s.nbytes for s in slots.values() if s.pinned)
         pageable = sum(s.nbytes for s in slots.values() if not s.pinned)
-        assert 0 < stats.pinned_bytes == pinned <= 50_000
+        # the cap holds the host copies; the load's check buffers are counted apart
+        assert 0 < stats.pinned_bytes - stats.pinned_overhead_bytes == pinned <= 50_000
         assert stats.pageable_host_bytes == pageable > 0
         assert all(t.is_pinned() == backend.components["transformer"].table.slot_of(t).pinned
                    for t in pipe.transformer.parameters())

@@ -398,8 +398,11 @@ def test_metrics_match_engine_statistics(image_server: Running) -> None:
         ("diffusion_offload_weight_loads_total", stats.loads),
         ("diffusion_offload_weight_evictions_total", stats.evictions),
         ("diffusion_offload_disk_read_bytes_total", stats.disk_read_bytes),
+        ("diffusion_offload_pinned_host_bytes", stats.pinned_bytes),
+        ("diffusion_offload_pinned_overhead_bytes", stats.pinned_overhead_bytes),
     ):
         assert metric(after, name) == value, name
+    assert stats.pinned_bytes > stats.pinned_overhead_bytes > 0  # host copies and check buffers
     moved = stats.since(stats_before)
     assert delta("diffusion_offload_weight_h2d_bytes_total") == moved.h2d_bytes > 0
     assert delta("diffusion_offload_weight_loads_total") == moved.loads > 0
@@ -410,6 +413,9 @@ def test_metrics_match_engine_statistics(image_server: Running) -> None:
 
     peak = metric(after, "diffusion_offload_peak_device_memory_bytes")
     assert peak >= metric(after, "diffusion_offload_last_peak_device_memory_bytes") > 0
+    for kind in ("anon", "file"):  # the sampled RssAnon / RssFile peaks of the requests (Linux)
+        last = metric(after, "diffusion_offload_last_peak_host_memory_bytes", kind=kind)
+        assert metric(after, "diffusion_offload_peak_host_memory_bytes", kind=kind) >= last > 0
     assert metric(after, "diffusion_offload_queue_depth") == 0
     assert metric(after, "diffusion_offload_jobs_running") == 0
     assert metric(after, "diffusion_offload_model_loaded") == 1

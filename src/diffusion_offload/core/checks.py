@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import checksum
+from . import checksum, hostmem
 from .arena import Arena
 from .platform import Platform
 from .stats import TransferStats
@@ -66,13 +66,8 @@ def record(
     """
     words = sum(a.sum_words for a, _ in items)
     with torch.inference_mode(False), torch.no_grad():
-        if buf is None or buf.numel() != words:
-            buf = torch.empty(words, dtype=torch.int32)
-            if platform.supports_pinning:
-                try:
-                    buf = buf.pin_memory()
-                except RuntimeError:
-                    pass  # pageable: the copy is then synchronous, still correct
+        if buf is None or buf.numel() != words:  # pageable where it cannot pin: a synchronous copy
+            buf = hostmem.host_buffer(words, torch.int32, platform, True, stats.charge_pinned)
         now = torch.empty(words, dtype=torch.int32, device=platform.device)
         w = device_weights(stats, platform, max(a.shape[1] for a, _ in items))
         start = 0
@@ -99,7 +94,9 @@ def device_weights(stats: TransferStats, platform: Platform, width: int) -> torc
     if width == 0:
         return torch.empty((0, checksum.COLUMNS), dtype=torch.int8, device=platform.device)
     stats.check_h2d_bytes += width * checksum.COLUMNS
-    return checksum.device_weights(platform.device, width)
+    w = checksum.device_weights(platform.device, width)
+    checksum.count_pinned(stats)
+    return w
 
 
 Recorded = Callable[[TensorSlot], "torch.Tensor | None"]
@@ -132,6 +129,7 @@ def compare_with_host(
             computed = iter(fingerprints([s.view(s.host, m) for s, m in todo]).tolist())
             host = [next(computed) if k is None else k for k in known]
     stats.check_h2d_bytes += checksum.weights_bytes(m.nbytes for _, m in comparable)  # the device fingerprints'
+    checksum.count_pinned(stats)
     stats.fingerprints += len(comparable)
     stats.fingerprint_bytes += sum(m.nbytes for _, m in comparable)
     stats.check_d2h_bytes += 8 * len(comparable)

@@ -31,11 +31,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["COLUMNS", "MAX_WIDTH", "MIN_ROWS", "device_weights", "shape", "size", "weighted_sums", "weights",
-           "weights_bytes"]
+from . import hostmem
+from .platform import platform_for
+
+__all__ = ["COLUMNS", "MAX_WIDTH", "MIN_ROWS", "count_pinned", "device_weights", "pinned_weights_bytes", "shape",
+           "size", "weighted_sums", "weights", "weights_bytes"]
 
 COLUMNS = 8
 """Weighted sums per grid row (the output width of the product; CUDA needs a multiple of 8)."""
@@ -49,6 +53,7 @@ MAX_WIDTH = 1 << 16
 _ALIGN = 16
 _weights: torch.Tensor | None = None
 _pinned: torch.Tensor | None = None
+_pinned_bytes = 0
 
 
 def shape(nbytes: int) -> tuple[int, int, int]:
@@ -105,18 +110,47 @@ def weights_bytes(nbytes: Iterable[int]) -> int:
 
 def device_weights(device: torch.device, width: int) -> torch.Tensor:
     """``weights(width)`` copied to ``device`` (``8 * width`` bytes, one H2D copy), from
-    pinned memory where the host can pin (the copy then does not block the host); nothing
-    is kept on the device. The host copy is never written, so no copy can race it."""
+    the process's pinned copy of the weights where the host can pin (the copy then does
+    not block the host); nothing is kept on the device. The pinned copy holds a power of
+    two of rows, at least ``width``, made with ``hostmem.host_buffer`` (its bytes are
+    ``pinned_weights_bytes``); it is made again, larger, only when a wider check comes,
+    after the device finished every copy from the old one. The host copy is never
+    written, so no copy can race it."""
     global _pinned
     host = weights(MAX_WIDTH)
     if device.type == "cpu":
         return host[:width]
-    if _pinned is None:
-        try:
-            _pinned = host.pin_memory()
-        except RuntimeError:  # no pinning here: pageable, the copy is then synchronous
-            _pinned = host
+    if _pinned is None or _pinned.shape[0] < width:
+        rows = min(MAX_WIDTH, 1 << max(width - 1, 0).bit_length())
+        place = platform_for(device)
+        if _pinned is not None:
+            place.synchronize()  # copies from the old copy are done before it is freed
+        buf = hostmem.host_buffer(rows * COLUMNS, torch.int8, place, True, _charge).view(rows, COLUMNS)
+        buf.copy_(host[:rows])
+        _pinned = buf
     return _pinned[:width].to(device, non_blocking=_pinned.is_pinned())
+
+
+def _charge(nbytes: int) -> None:
+    global _pinned_bytes
+    _pinned_bytes += nbytes
+
+
+def pinned_weights_bytes() -> int:
+    """Pinned bytes of the process's copy of the weights now (0 before the first device
+    check, or where the host cannot pin)."""
+    return _pinned_bytes
+
+
+def count_pinned(stats: Any) -> None:
+    """Bring ``stats.shared_pinned_bytes`` to ``pinned_weights_bytes()``, the difference
+    charged to its ``pinned_bytes`` (``TransferStats.charge_pinned``): every backend
+    counts the one pinned copy of the weights it uses, whole. Called after each check
+    that copied weights to the device."""
+    delta = _pinned_bytes - stats.shared_pinned_bytes
+    if delta:
+        stats.shared_pinned_bytes += delta
+        stats.charge_pinned(delta)
 
 
 def weighted_sums(buf: torch.Tensor, layout: tuple[int, int, int], out: torch.Tensor, w: torch.Tensor) -> None:

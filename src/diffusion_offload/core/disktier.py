@@ -23,13 +23,10 @@ from . import checksum, hostmem
 from .platform import Platform, same_device
 from .readahead import ReadAhead
 from .staging import StagingRing
-from .tiers import FileMaps, HostBudgetError, TierPlan, mark_written
+from .tiers import FP_BLOCK, FileMaps, HostBudgetError, TierPlan, mark_written
 from .writes import fingerprints
 
-__all__ = ["FP_BLOCK", "DiskTier"]
-
-FP_BLOCK = 4096
-"""Fingerprints (8 bytes each) per host buffer of a disk tier's write-check records."""
+__all__ = ["DiskTier"]
 
 
 def _close_all(fds: dict[str, int]) -> None:
@@ -81,7 +78,7 @@ class DiskTier:
         self.plan = plan
         self.platform = platform
         self.stats = stats
-        self.ring = StagingRing(platform, plan.staging_bytes, pin)
+        self.ring = StagingRing(platform, plan.staging_bytes, pin, stats.charge_pinned)
         self.read_delay = 0.0
         self._slots: dict[int, tuple[Any, int]] = {}  # id(slot) -> (slot, host data_ptr)
         # fingerprints recorded at loads (``record``): id(slot) -> its entries (a view of a
@@ -299,6 +296,7 @@ class DiskTier:
         s.fingerprint_bytes += sum(m.nbytes for m in members)
         s.check_d2h_bytes += 8 * len(members)
         s.check_h2d_bytes += checksum.weights_bytes(m.nbytes for m in members)
+        checksum.count_pinned(s)
 
     def _fp_view(self, slot: Any) -> torch.Tensor:
         """``slot``'s entries for its fingerprints, one per member (host ``int64``), made at
@@ -319,8 +317,7 @@ class DiskTier:
         return view
 
     def _host_int64(self, n: int) -> torch.Tensor:
-        buf = torch.empty(n, dtype=torch.int64)
-        return buf.pin_memory() if self.ring.pin else buf
+        return hostmem.host_buffer(n, torch.int64, self.platform, self.ring.pin, self.stats.charge_pinned)
 
     def recorded(self, slot: Any) -> torch.Tensor | None:
         """The fingerprints ``record`` took at ``slot``'s last load (host ``int64``, one per
@@ -368,7 +365,7 @@ class DiskTier:
         if id(slot) in self._written:
             return
         s = self.stats
-        ram_in_use = s.pinned_bytes + s.pageable_host_bytes + s.cow_bytes + s.staging_bytes
+        ram_in_use = s.pinned_bytes + s.pageable_host_bytes + s.cow_bytes + self.ring.reserved
         budget = self.plan.budget
         if ram_in_use + slot.nbytes > budget:
             raise HostBudgetError(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import hostmem
 from .platform import Platform
 
 __all__ = ["STAGING_CHUNK", "STAGING_COUNT", "Fill", "Span", "StagingRing"]
@@ -52,16 +53,23 @@ class StagingRing:
         nbytes: the ring's total size in bytes (``STAGING_COUNT`` equal buffers).
         pin: pin the buffers. Without it the ring holds no memory: each source is copied
             to the device by itself, synchronously (and the padding zeroed on the device).
+        charge: called with the pinned bytes of each buffer made, and with their negation
+            once it is freed (``hostmem.host_buffer``; ``TransferStats.charge_pinned``).
 
     Attributes:
         chunk: bytes per buffer (at least 1).
         nbytes: host bytes the ring holds once made (0 without ``pin``).
+        charged: pinned bytes of the buffers alive now (in ``charge``'s gauge).
         reuses: times a buffer was filled again after a copy from it (each one event
             wait of the host, ``Event.synchronize``).
     """
 
-    def __init__(self, platform: Platform, nbytes: int, pin: bool) -> None:
+    def __init__(
+        self, platform: Platform, nbytes: int, pin: bool, charge: Callable[[int], None] = lambda n: None
+    ) -> None:
         self.platform = platform
+        self._charge_outer = charge
+        self.charged = 0  # pinned bytes of the buffers alive now
         self.chunk = max(nbytes // STAGING_COUNT, 1)
         self.pin = pin
         self.nbytes = STAGING_COUNT * self.chunk if pin else 0
@@ -69,6 +77,16 @@ class StagingRing:
         self._bufs: list[torch.Tensor] = []
         self._events: list[Any] = [None] * STAGING_COUNT
         self._next = 0
+
+    def _charge(self, nbytes: int) -> None:
+        self.charged += nbytes
+        self._charge_outer(nbytes)
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of the ring not made yet (``nbytes`` less the buffers alive): what it will
+        still take from the host budget."""
+        return max(self.nbytes - self.charged, 0)
 
     def release(self) -> None:
         """Drop the buffers (after their copies completed); a later copy makes them again."""
@@ -89,7 +107,7 @@ class StagingRing:
             self._events[i] = None
             self.reuses += 1
         while len(self._bufs) <= i:
-            self._bufs.append(torch.empty(self.chunk, dtype=torch.uint8).pin_memory())
+            self._bufs.append(hostmem.host_buffer(self.chunk, torch.uint8, self.platform, True, self._charge))
         return self._bufs[i]
 
     def _queued(self) -> None:

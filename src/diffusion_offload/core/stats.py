@@ -50,7 +50,17 @@ class TransferStats:
             wrong guess, or a block a cache such as First Block Cache skipped: at most one
             per cached forward).
         wasted_bytes: the H2D bytes of those blocks (part of ``h2d_bytes``).
-        pinned_bytes: bytes of host copies in pinned (page-locked) memory now (a gauge).
+        pinned_bytes: every byte of pinned (page-locked) host memory held for this backend
+            now (a gauge): the host copies in pinned memory, plus ``pinned_overhead_bytes``.
+        pinned_overhead_bytes: of ``pinned_bytes``, what is not a host copy's own bytes
+            (a gauge): the staging ring, the write check's host buffers (the sums read back
+            at a load, the disk tier's fingerprints, the checksum weights), the alignment
+            padding of pinned arenas, and the caching host allocator's rounding where a
+            buffer had to come from ``pin_memory()`` (``hostmem.caching_host_bytes``).
+            Counted while the memory is alive: a buffer freed is taken out.
+        shared_pinned_bytes: of ``pinned_overhead_bytes``, the process's one pinned copy of
+            the checksum weights (``checksum.pinned_weights_bytes``), shared by every
+            backend: each counts it whole (a gauge).
         pageable_host_bytes: bytes of host copies in pageable memory now (a gauge).
         disk_backed_bytes: bytes of host copies left on disk: file-backed memory maps read
             at every load (``tiers``; a gauge).
@@ -82,6 +92,8 @@ class TransferStats:
     wasted_prefetches: int = 0
     wasted_bytes: int = 0
     pinned_bytes: int = 0
+    pinned_overhead_bytes: int = 0
+    shared_pinned_bytes: int = 0
     pageable_host_bytes: int = 0
     disk_backed_bytes: int = 0
     disk_read_bytes: int = 0
@@ -91,7 +103,15 @@ class TransferStats:
     staging_copies: int = 0
     staging_waits: int = 0
 
-    _GAUGES = ("pinned_bytes", "pageable_host_bytes", "disk_backed_bytes", "cow_bytes", "staging_bytes")
+    _GAUGES = ("pinned_bytes", "pinned_overhead_bytes", "shared_pinned_bytes",
+               "pageable_host_bytes", "disk_backed_bytes", "cow_bytes", "staging_bytes")
+
+    def charge_pinned(self, nbytes: int) -> None:
+        """Count ``nbytes`` more pinned host memory that is not a host copy's own bytes
+        (negative: that much freed), in ``pinned_bytes`` and ``pinned_overhead_bytes``
+        (``hostmem.host_buffer``'s ``charge``)."""
+        self.pinned_bytes += nbytes
+        self.pinned_overhead_bytes += nbytes
 
     def snapshot(self) -> "TransferStats":
         """A copy of the current values."""

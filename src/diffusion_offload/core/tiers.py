@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from . import hostmem
+from . import checksum, hostmem
+from .arena import ALIGN, ARENA_BYTES
 from .staging import STAGING_CHUNK, STAGING_COUNT
 
 __all__ = [
@@ -309,6 +310,8 @@ class TierPlan:
             copied into RAM).
         staging_bytes: the pinned staging ring (0 without a disk tier).
         disk_ids: ``id`` of every tensor left on disk.
+        overhead_bytes: the room set aside for the host copies' write-check buffers and
+            arena padding (``check_bytes``: a bound, pinned where the host pins).
     """
 
     budget: int
@@ -317,6 +320,7 @@ class TierPlan:
     disk_bytes: int
     staging_bytes: int
     disk_ids: set[int] = field(default_factory=set)
+    overhead_bytes: int = 0
 
     @property
     def ram_bytes(self) -> int:
@@ -348,6 +352,40 @@ class TierPlan:
         )
 
 
+FP_BLOCK = 512
+"""Fingerprints (8 bytes each) per host buffer of a disk tier's write-check records."""
+
+
+def check_bytes(groups: Iterable[Sequence[int]]) -> int:
+    """A bound on the host memory the host copies cost beyond their own bytes, all of it
+    pinned where the host pins, for ``groups``: the tensor sizes (bytes) of each unit
+    packed into arenas of its own (a component; a block in layer mode).
+
+    Per unit of ``g`` bytes: its RAM and its disk arena (at most two, plus one per
+    ``ARENA_BYTES``) each read back ``4 * checksum.size`` bytes of write-check sums, at
+    most ``4 * (checksum.size(g) + 8 * MIN_ROWS)`` or ``4 * 271`` (an arena under
+    ``17 * 16`` bytes is read as it is); per tensor, its alignment padding (< ``ALIGN``)
+    and a disk tier's fingerprint (8 bytes, in blocks of ``FP_BLOCK``); once, the pinned
+    checksum weights for the widest arena (8 bytes a row, a power of two of rows:
+    ``checksum.device_weights``)."""
+    total = count = widest = 0
+    for sizes in groups:
+        g = sum(sizes)
+        if not g:
+            continue
+        arenas = 2 + g // ARENA_BYTES
+        part = min(g, ARENA_BYTES)
+        sums = max(4 * (checksum.size(checksum.shape(part), part) + checksum.COLUMNS * checksum.MIN_ROWS),
+                   4 * min(part, checksum.MIN_ROWS * 16 - 1))
+        total += arenas * sums
+        count += len(sizes)
+        widest = max(widest, checksum.shape(part)[1])
+    if not count:
+        return 0
+    weights = checksum.COLUMNS * (1 << max(widest - 1, 0).bit_length()) if widest else 0
+    return total + weights + (ALIGN + 8) * count + 8 * FP_BLOCK
+
+
 def _staging_bytes(budget: int, largest: int, spill: int) -> int:
     # a buffer (one pin: at most hostmem.PIN_CHUNK): one unit (block, component) or
     # tensor, at most STAGING_CHUNK, a quarter of
@@ -357,7 +395,9 @@ def _staging_bytes(budget: int, largest: int, spill: int) -> int:
     return STAGING_COUNT * chunk
 
 
-def split_tiers(sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int = 0) -> TierPlan:
+def split_tiers(
+    sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int = 0, overhead: int = 0
+) -> TierPlan:
     """The tier rule, on sizes alone (the backends through ``plan_tiers``, the planner on
     a model's tensor sizes): everything in RAM when it fits ``budget``; otherwise the
     host copies that cannot be file-backed stay in RAM, a staging ring is set aside, and
@@ -370,6 +410,8 @@ def split_tiers(sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int 
             staging-ring buffer holds one when the budget allows (at most
             ``STAGING_CHUNK``, a quarter of the budget and the bytes that do not fit it),
             so the reader can read the next one ahead.
+        overhead: the room set aside for the write checks' buffers and the arenas'
+            padding (``check_bytes``), in bytes.
 
     Returns:
         The ``TierPlan``; its ``disk_ids`` are indices into ``sizes``.
@@ -381,20 +423,21 @@ def split_tiers(sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int 
     ram_only = sum(n for n, backed in sizes if not backed)
     backed = [(i, n) for i, (n, b) in enumerate(sizes) if b]
     file_bytes = sum(n for _, n in backed)
-    if ram_only + file_bytes <= budget:
-        return TierPlan(budget, ram_only, file_bytes, 0, 0)
+    if ram_only + file_bytes + overhead <= budget:
+        return TierPlan(budget, ram_only, file_bytes, 0, 0, overhead_bytes=overhead)
     largest = max(max((n for _, n in backed), default=0), unit_bytes)
-    staging = _staging_bytes(budget, largest, ram_only + file_bytes - budget)
-    if ram_only + staging > budget:
+    staging = _staging_bytes(budget, largest, ram_only + file_bytes + overhead - budget)
+    if ram_only + staging + overhead > budget:
         raise HostBudgetError(
             f"host_memory_budget={budget} bytes cannot hold the {ram_only} bytes of host "
             f"copies that cannot be file-backed (weights cast at load, fused with a LoRA, "
             f"quantized, from GGUF, built in memory or on the device at enable)"
             + (f" plus the {staging}-byte pinned staging ring" if backed else "")
+            + f" and up to {overhead} bytes of write-check buffers and padding"
             + "; raise the budget, load the weights from safetensors in their stored dtype, "
             "or select fewer components"
         )
-    room = budget - ram_only - staging
+    room = budget - ram_only - staging - overhead
     disk_ids: set[int] = set()
     disk = 0
     for key, n in backed:
@@ -403,7 +446,7 @@ def split_tiers(sizes: Sequence[tuple[int, bool]], budget: int, unit_bytes: int 
         else:
             disk_ids.add(key)
             disk += n
-    return TierPlan(budget, ram_only, file_bytes, disk, staging, disk_ids)
+    return TierPlan(budget, ram_only, file_bytes, disk, staging, disk_ids, overhead)
 
 
 def stage_unit(components: Iterable[Iterable[tuple[int, bool]]]) -> int:
@@ -414,7 +457,7 @@ def stage_unit(components: Iterable[Iterable[tuple[int, bool]]]) -> int:
 
 def plan_tiers(
     tensors: Iterable[torch.Tensor], budget: int, maps: FileMaps | None = None, unit_bytes: int = 0,
-    device_bytes: int = 0,
+    device_bytes: int = 0, overhead: int = 0,
 ) -> TierPlan:
     """Choose the tier of every host copy the offload will hold (``split_tiers`` on the
     tensors' sizes; a tensor is file-backed when its whole storage is a private map of a
@@ -428,6 +471,7 @@ def plan_tiers(
         unit_bytes: as ``split_tiers``.
         device_bytes: the bytes of the host copies made for weights that are on the
             device at ``enable`` (their first eviction allocates them): RAM only.
+        overhead: as ``split_tiers`` (``check_bytes`` of the packing units).
 
     Returns:
         The ``TierPlan``; its ``disk_ids`` are the ``id`` of every tensor left on disk.
@@ -440,7 +484,7 @@ def plan_tiers(
     sizes = [(t.numel() * t.element_size(), file_backed(t, maps)) for t in items]
     if device_bytes:
         sizes.append((device_bytes, False))  # last: never an index of ``items``
-    plan = split_tiers(sizes, budget, unit_bytes)
+    plan = split_tiers(sizes, budget, unit_bytes, overhead)
     plan.disk_ids = {id(items[i]) for i in plan.disk_ids}
     return plan
 

@@ -319,8 +319,10 @@ class Mover:
     Args:
         platform: the device's platform (synchronize, pinning, blocking D2H).
         pin_memory: pin host copies when the platform supports it.
-        max_pinned_bytes: at most this many bytes of host copies are pinned (the rest stay
-            pageable); None: no cap.
+        max_pinned_bytes: host copies are pinned while ``stats.pinned_bytes`` (with their
+            arenas' padding and rounding) stays within this many bytes; the rest stay
+            pageable; None: no cap. The buffers a load makes later (the staging ring, the
+            write check's sums) are counted in ``pinned_bytes`` too, not capped.
         arena_bytes: the largest arena ``pack`` makes (``arena.ARENA_BYTES``, 1 GiB).
 
     Attributes:
@@ -341,16 +343,15 @@ class Mover:
         self.max_pinned_bytes = max_pinned_bytes
         self.stats = TransferStats()
         self._pin_warned = False
+        self.pins_by_copy = False  # a pin fell back to pin_memory(): a power-of-two block
         # the disk tier (``disktier.DiskTier``) when a host budget leaves weights on disk
         self.disk: Any = None
 
     # -- host copies ------------------------------------------------------------------
 
     def _may_pin(self, nbytes: int) -> bool:
-        if not self.pin:
-            return False
         cap = self.max_pinned_bytes
-        return cap is None or self.stats.pinned_bytes + nbytes <= cap
+        return self.pin and (cap is None or self.stats.pinned_bytes + nbytes <= cap)
 
     def _warn_pin(self, why: str) -> None:
         if not self._pin_warned:
@@ -472,8 +473,10 @@ class Mover:
             # left for pinning, so host copies are pinned up to the cap
             limit = self.arena_bytes
             cap = self.max_pinned_bytes
-            if self.pin and cap is not None and 0 < cap - self.stats.pinned_bytes < limit:
-                limit = cap - self.stats.pinned_bytes
+            room = None if cap is None else cap - self.stats.pinned_bytes
+            if self.pin and room is not None and 0 < room < limit:
+                # pinned by copy, an arena takes a power of two: the largest within the room
+                limit = 1 << (room.bit_length() - 1) if self.pins_by_copy else room
             index, offsets, nbytes = layout([s.nbytes for s in todo], limit)[0]
             slots_of_arena = [todo[i] for i in index]
             todo = todo[index[-1] + 1 :]
@@ -497,6 +500,9 @@ class Mover:
                             _rebind(m.obj, slot.view(span, m))
                             refresh(m.outers)
                 buf[end:].zero_()
+            if pinned:  # the alignment padding is pinned too (freed with the arena's buffer)
+                padding = nbytes - sum(s.nbytes for s in slots_of_arena)
+                hostmem.charge_while_alive(buf, padding, self.stats.charge_pinned)
             arenas.append(arena)
         return arenas
 
@@ -522,12 +528,9 @@ class Mover:
         Returns the span to use as host copy and whether it is pinned. DTensor shards are
         never pinned. A failure falls back to pageable memory with one warning.
         """
-        if not self._may_pin(span.numel()) or any(_is_dtensor(o) for o in objs):
-            return span, False
-        if self.disk is not None and self.disk.wants(objs):
-            return span, False
-        if span.is_pinned():
-            return span, True
+        if (not self._may_pin(span.numel()) or any(_is_dtensor(o) for o in objs)
+                or (self.disk is not None and self.disk.wants(objs)) or span.is_pinned()):
+            return span, span.is_pinned()
         storage = span.untyped_storage()
         # in place only when the span is the whole storage: registration covers a storage
         # (its pages), and the pinned bytes counted must be the bytes pinned
@@ -544,11 +547,18 @@ class Mover:
                 "cannot be registered in pieces here"
             )
             return span, False
+        self.pins_by_copy = True
+        rounded = hostmem.caching_host_bytes(span.numel())  # the caching allocator's block
+        if not self._may_pin(rounded):
+            return span, False
         try:  # a read-only mapping, or no in-place registration here: copy, per storage
-            return span.pin_memory(), True
+            fresh = span.pin_memory()
         except RuntimeError as exc:
             self._warn_pin(str(exc))
             return span, False
+        # the caching host allocator's rounding (the copy's own bytes are the slot's)
+        hostmem.charge_while_alive(fresh, rounded - span.numel(), self.stats.charge_pinned)
+        return fresh, True
 
     def _adopt_device(self, obj: torch.Tensor, txn: Transaction) -> TensorSlot:
         p = payload_of(obj)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.tiers import HostBudgetError, TierPlan, split_tiers, stage_unit
+from ..core.tiers import HostBudgetError, TierPlan, check_bytes, split_tiers, stage_unit
 from ..models.files import safetensors_tensors
 from .model import PlanModel, discover_block_modules
 
@@ -103,13 +103,13 @@ def _block_sizes(pm: PlanModel, name: str, keep: int) -> list[list[tuple[int, bo
     return out
 
 
-def _split(sizes: list[tuple[int, bool]], budget: int | None, unit: int) -> TierPlan | None:
+def _split(sizes: list[tuple[int, bool]], budget: int | None, unit: int, overhead: int) -> TierPlan | None:
     """``split_tiers``, or None when the RAM-only host copies exceed the budget."""
     if budget is None:
         total = sum(n for n, _ in sizes)
         return TierPlan(1 << 62, total, 0, 0, 0)
     try:
-        return split_tiers(sizes, budget, unit)
+        return split_tiers(sizes, budget, unit, overhead)
     except HostBudgetError:
         return None
 
@@ -151,7 +151,7 @@ def host_columns(
             groups.append(((name, -1), [(n, b) for _, n, b in component_sizes(pm, name)]))
     sizes = [s for _, g in groups for s in g]
     unit = stage_unit(g for _, g in groups) if kind == "layer" else 0
-    plan = _split(sizes, budget, unit)
+    plan = _split(sizes, budget, unit, check_bytes([n for n, _ in g] for _, g in groups))
     if plan is None:
         return HostColumns(fits=False)
     pinned, pageable = plan.pinned_split(max_pinned_bytes)

@@ -18,6 +18,13 @@ Exposed at ``GET /metrics`` (text format):
   read at scrape time (so they equal ``Omni.stats``).
 - ``diffusion_offload_peak_device_memory_bytes``: the highest per-request peak device
   memory seen; ``diffusion_offload_last_peak_device_memory_bytes``: the latest request's.
+- ``diffusion_offload_peak_host_memory_bytes{kind}`` and
+  ``diffusion_offload_last_peak_host_memory_bytes{kind}``: the same for the sampled peak
+  resident host memory of a request (``kind`` ``anon``: RssAnon, ``file``: RssFile;
+  ``engine.hostrss``), 0 off Linux.
+- ``diffusion_offload_pinned_host_bytes`` and ``..._pinned_overhead_bytes``: the engine's
+  pinned host memory now, every byte (``TransferStats.pinned_bytes``), and the part that is
+  not host copies (staging ring, check buffers, rounding); read at scrape time.
 
 Several processes (the Ray Serve replicas) each take a :meth:`ServerMetrics.snapshot` of
 their own families; :func:`merge_snapshots` renders them as one exposition, adding each
@@ -38,7 +45,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import Match
 
@@ -61,6 +68,12 @@ _STATS = (
     ("disk_read_bytes", "disk_read_bytes", "Bytes loads read from disk-backed host copies."),
     ("disk_read_seconds", "disk_read_seconds", "Seconds loads spent reading disk-backed host copies."),
 )
+_STAT_GAUGES = (
+    ("pinned_bytes", "pinned_host_bytes", "Pinned host memory the engine holds now, every byte."),
+    ("pinned_overhead_bytes", "pinned_overhead_bytes",
+     "Of it, what is not host copies: staging ring, write-check buffers, padding, rounding."),
+)
+_HOST_KINDS = {"anon": "rss_anon_bytes", "file": "rss_file_bytes"}
 
 
 HTTP_FAMILIES = frozenset(f"{_PREFIX}_{n}" for n in ("http_requests", "http_request_duration_seconds"))
@@ -71,8 +84,9 @@ JOB_FAMILIES = frozenset(
 """Families counted where jobs are queued and finished."""
 ENGINE_FAMILIES = frozenset(
     [f"{_PREFIX}_{n}" for n in ("model_loaded", "peak_device_memory_bytes",
-                                "last_peak_device_memory_bytes")]
-    + [f"{_PREFIX}_{name}" for _, name, _ in _STATS]
+                                "last_peak_device_memory_bytes", "peak_host_memory_bytes",
+                                "last_peak_host_memory_bytes")]
+    + [f"{_PREFIX}_{name}" for _, name, _ in _STATS + _STAT_GAUGES]
 )
 """Families of the engine (one per generator)."""
 
@@ -114,7 +128,8 @@ def merge_snapshots(parts: Iterable[tuple[dict[str, str], Snapshot]]) -> bytes:
 
 
 class _EngineStatsCollector(Collector):
-    """The engine's cumulative ``TransferStats`` as counters, read at scrape time."""
+    """The engine's cumulative ``TransferStats`` as counters, and its host-memory gauges,
+    read at scrape time."""
 
     def __init__(self, engine: Callable[[], Any]) -> None:
         self._engine = engine
@@ -128,6 +143,9 @@ class _EngineStatsCollector(Collector):
         for attr, name, doc in _STATS:
             value = getattr(stats, attr, 0) if stats is not None else 0
             yield CounterMetricFamily(f"{_PREFIX}_{name}", doc, value=float(value))
+        for attr, name, doc in _STAT_GAUGES:
+            value = getattr(stats, attr, 0) if stats is not None else 0
+            yield GaugeMetricFamily(f"{_PREFIX}_{name}", doc, value=float(value))
 
 
 class ServerMetrics:
@@ -195,6 +213,22 @@ class ServerMetrics:
             registry=r,
         )
         self._peak = 0
+        self.peak_host = Gauge(
+            f"{_PREFIX}_peak_host_memory_bytes",
+            "Highest per-request sampled peak resident host memory seen (anon: RssAnon, file: RssFile).",
+            ["kind"],
+            registry=r,
+        )
+        self.last_peak_host = Gauge(
+            f"{_PREFIX}_last_peak_host_memory_bytes",
+            "Sampled peak resident host memory of the latest request (anon: RssAnon, file: RssFile).",
+            ["kind"],
+            registry=r,
+        )
+        self._peak_host = dict.fromkeys(_HOST_KINDS, 0)
+        for kind in _HOST_KINDS:  # export zeros before the first job
+            self.peak_host.labels(kind)
+            self.last_peak_host.labels(kind)
         r.register(_EngineStatsCollector(engine))
         for kind in ("image", "video"):  # export zeros before the first job
             for status in ("completed", "failed", "cancelled"):
@@ -207,6 +241,16 @@ class ServerMetrics:
         if nbytes > self._peak:
             self._peak = nbytes
             self.peak_memory.set(nbytes)
+
+    def observe_peak_host_memory(self, peaks: dict[str, int]) -> None:
+        """Record one request's sampled peak host memory (``GenerationOutput.peak_host_memory``:
+        ``rss_anon_bytes``, ``rss_file_bytes``; a field it lacks counts 0)."""
+        for kind, key in _HOST_KINDS.items():
+            nbytes = int(peaks.get(key, 0))
+            self.last_peak_host.labels(kind).set(nbytes)
+            if nbytes > self._peak_host[kind]:
+                self._peak_host[kind] = nbytes
+                self.peak_host.labels(kind).set(nbytes)
 
     def observe_job(self, job: Any) -> None:
         """Count a finished job and its queue and run times."""

@@ -767,6 +767,7 @@ class ServerState(BaseServerState):
         finally:
             self.progress.end()
         self.metrics.observe_peak_memory(getattr(result, "peak_device_memory_bytes", 0) or 0)
+        self.metrics.observe_peak_host_memory(getattr(result, "peak_host_memory", None) or {})
         if job.kind == "image":
             return [encode_image(image, spec.image_format, spec.compression)
                     for image in result.images]

@@ -382,7 +382,12 @@ class OffloadBackendBase:
               maps.backing(payload_of(t)) is not None) for _, t in tensors]
             for name, tensors in named.items() if selected[name]
         )
-        plan = tiers.plan_tiers(payloads.values(), budget, maps, unit, on_device)
+        # the write checks' pinned buffers and the arenas' padding, per packing unit
+        overhead = tiers.check_bytes(
+            [payload_of(t).numel() * payload_of(t).element_size() for _, t in tensors if id(t) in payloads]
+            for name, tensors in named.items() if selected[name]
+        )
+        plan = tiers.plan_tiers(payloads.values(), budget, maps, unit, on_device, overhead)
         self.tier_plan = plan
         if not plan.disk_bytes:
             logger.info(plan.line())

@@ -35,6 +35,9 @@ What it gives a test that a CPU run cannot:
   ``torch.library``). A pinned tensor is an ordinary CPU tensor whose storage is
   remembered as pinned until that storage is freed. ``torch.fakegpu.host_register`` /
   ``host_unregister`` simulate ``cudaHostRegister`` (pinning an existing storage in place).
+  ``torch.fakegpu.pinned_host_bytes()`` is the pinned memory alive, as CUDA would hold it:
+  a registration's bytes, a ``pin_memory()`` block (or a non-blocking copy's host result)
+  rounded up to a power of two as PyTorch's caching host allocator rounds it.
 
 * **Streams, events and a race detector.** ``Stream``, ``Event``, ``current_stream``,
   ``stream(s)`` (also as ``torch.fakegpu.*``, shaped like ``torch.cuda.*``) model CUDA

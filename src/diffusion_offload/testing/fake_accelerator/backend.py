@@ -20,7 +20,7 @@ from .counters import (
 )
 from .data import _data_get, _data_set
 from .device import storage_key
-from .host_races import _ensure_host_mode, _host_repr, _host_tolist, _unpin
+from .host_races import _ensure_host_mode, _host_repr, _host_tolist, _unpin, pinned_host_bytes
 from .kernels import (
     _arange,
     _arange_end,
@@ -183,8 +183,13 @@ class _BackendModule:
         with _lock:
             if ptr in _counters.pinned:
                 return False  # CUDA: cudaErrorHostMemoryAlreadyRegistered
-            _counters.pinned.add(ptr)
+            _counters.pinned[ptr] = nbytes
         return True
+
+    @staticmethod
+    def pinned_host_bytes() -> int:
+        """Pinned host bytes alive now, as CUDA would hold them (``host_races.pinned_host_bytes``)."""
+        return pinned_host_bytes()
 
     @staticmethod
     def host_unregister(ptr: int) -> None:

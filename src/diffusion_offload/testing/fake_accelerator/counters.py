@@ -66,7 +66,7 @@ class _Counters:
         # [number of live inner tensors, storage nbytes, pool (_SMALL or _LARGE)]
         self.storages: dict[int, list[int]] = {}
         # data pointers of pinned host storages
-        self.pinned: set[int] = set()
+        self.pinned: dict[int, int] = {}  # data pointer -> the pinned bytes CUDA would hold for it
 
     @property
     def allocated_bytes(self) -> int:

@@ -327,18 +327,31 @@ def _host_tolist(self: torch.Tensor) -> Any:
 
 
 def _mark_pinned(t: torch.Tensor) -> None:
-    """Remember the host storage of ``t`` as pinned until that storage is freed."""
-    key = t.untyped_storage().data_ptr()
+    """Remember the host storage of ``t`` as pinned until that storage is freed: a block of
+    CUDA's caching host allocator (``pin_memory()``, the result of a non-blocking copy to
+    the host), so it holds the storage's bytes rounded up to a power of two
+    (``aten/src/ATen/core/CachingHostAllocator.h``, ``allocate``)."""
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    nbytes = storage.nbytes()
     with _lock:
-        _counters.pinned.add(key)
-    weakref.finalize(t.untyped_storage(), _unpin, key)
+        _counters.pinned[key] = 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+    weakref.finalize(storage, _unpin, key)
+
+
+def pinned_host_bytes() -> int:
+    """Pinned host bytes alive now, as CUDA would hold them: each ``host_register``'s
+    bytes, and each caching-allocator block (``pin_memory()``, a non-blocking copy's host
+    result) rounded up to a power of two."""
+    with _lock:
+        return sum(_counters.pinned.values())
 
 
 def _unpin(key: int) -> None:
     """The storage at ``key`` is pageable again (unregistered or freed): its pending
     copies are no longer tracked."""
     with _lock:
-        _counters.pinned.discard(key)
+        _counters.pinned.pop(key, None)
         _host_pending.pop(key, None)
 
 
