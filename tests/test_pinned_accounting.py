@@ -119,3 +119,37 @@ def test_host_buffer_charges_what_it_pins_and_gives_it_back_when_freed(fake_devi
     assert torch.fakegpu.pinned_host_bytes() - base == 4096
     plain = hostmem.host_buffer(1000, torch.int32, platform, False, charged.append)
     assert not plain.is_pinned() and charged[-1] == 4096  # not pinned: nothing charged
+
+
+@pytest.mark.parametrize("budget", [None, 0.4], ids=["no-budget", "budget-40%"])
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_disable_takes_the_host_copies_out_of_the_gauges(mode, budget, saved, fake_device):
+    """``disable()`` leaves the host copies to the pipeline: they leave the host gauges, so
+    an ``enable`` after it counts them once, not twice (the gauges were kept, and a second
+    enable counted 426,880 pinned bytes of a 217,536-byte model)."""
+    pipe = _load(saved)
+    limit = None if budget is None else int(budget * _offloaded_bytes(pipe))
+    cls = ModelLevelOffloadBackend if mode == "module" else LayerwiseOffloadBackend
+    kwargs = {} if limit is None else {"host_memory_budget": limit}
+    backend = cls({"mode": mode, "components": SELECT}, fake_device, **kwargs)
+    s = backend.stats
+
+    def host() -> tuple[int, int, int]:
+        return s.pinned_bytes - s.pinned_overhead_bytes, s.pageable_host_bytes, s.disk_backed_bytes
+
+    backend.enable(pipe)
+    first = host()
+    assert first[0] > 0 and (first[2] > 0) == (limit is not None)
+    backend.disable()
+    assert host() == (0, 0, 0) and s.staging_bytes == 0
+    if limit is not None:
+        return  # the RAM tier's copies are arenas now, not file maps: the same budget cannot
+        # hold them again (tests/test_disk_reader_lifetime.py)
+    backend.enable(pipe)
+    try:
+        # the same copies again: the arenas (pinned in place) are adopted as they are
+        assert host()[0] + host()[1] + host()[2] == sum(first)
+        _request(pipe)
+    finally:
+        backend.disable()
+    assert host() == (0, 0, 0)

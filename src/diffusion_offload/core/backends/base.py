@@ -226,7 +226,9 @@ class OffloadBackendBase:
             self._remember(pipeline)
 
     def disable(self) -> None:
-        """Remove every hook this backend installed; tensors stay where they are.
+        """Remove every hook this backend installed; tensors stay where they are. The host
+        copies leave the host gauges of ``stats`` (``pinned_bytes`` then keeps only our
+        pinned buffers still alive: ``pinned_overhead_bytes``).
 
         All or nothing: if a removal raises (any exception, ``KeyboardInterrupt``
         included), the hooks already removed are installed again, the backend stays
@@ -259,6 +261,11 @@ class OffloadBackendBase:
                     handle.reinstall()
                 raise
             self._handles = []
+            # the host copies are the pipeline's own tensors now: out of the host gauges
+            # (pinned, pageable, disk-backed), so a later enable counts them once
+            slots = {id(s): s for w in self.components.values() for s in w.slots}
+            for slot in slots.values():
+                self.mover.release(slot)
             if self.mover.disk is not None:
                 self.mover.disk.close()
             self.components = {}
