@@ -470,6 +470,21 @@ class BlockStreamer:
             if nxt is not None and not nxt.on_device and self._prefetching:
                 self._prefetch(nxt)
 
+    def release_all(self) -> None:
+        """Release every streamed block on the device: the prefetch, the carried block and
+        the kept ones (they load again at their next call); ``sleep``, between calls.
+
+        Raises:
+            RuntimeError: a forward is running.
+        """
+        with self.lock:
+            if self.stack:
+                raise RuntimeError("a streamed forward is running: sleep() between requests")
+            self._drop_prefetch()
+            for block in self.on_device():
+                self._wait(block)
+                self._release(block)
+
     def quiesce(self) -> None:
         """Order the current stream after any copy in flight, and record the blocks'
         device memory on it (``disable``: the tensors stay in the model)."""

@@ -344,6 +344,7 @@ class Mover:
         self.stats = TransferStats()
         self._pin_warned = False
         self.pins_by_copy = False  # a pin fell back to pin_memory(): a power-of-two block
+        self.keep_host = False  # non-evictable slots keep their host copies (``sleep``)
         # the disk tier (``disktier.DiskTier``) when a host budget leaves weights on disk
         self.disk: Any = None
 
@@ -401,14 +402,15 @@ class Mover:
             p = payload_of(obj)
             if p.device.type == "cpu":
                 host_groups.setdefault(p.untyped_storage().data_ptr() or id(p), []).append(obj)
-            elif evictable:
+            elif evictable or self.keep_host:
                 slots.append(self._adopt_device(obj, txn))
             else:
                 member = Member(obj, p.storage_offset(), p.stride())
                 slots.append(TensorSlot([member], None, False, _nbytes(p)))
         pack = pack and evictable
         for objs_of_storage in host_groups.values():
-            slots.extend(self._adopt_host(objs_of_storage, txn, pin=evictable and not pack))
+            pin = (evictable and not pack) or (self.keep_host and not evictable)
+            slots.extend(self._adopt_host(objs_of_storage, txn, pin=pin))
         for slot in slots:
             slot.evictable = evictable
             if outers:
@@ -780,12 +782,10 @@ class Mover:
         return written
 
     def place(self, slot: TensorSlot, txn: Transaction) -> int:
-        """Put a non-evictable slot on the device for good and drop its host copy.
-
-        Returns the H2D bytes (0 when it is already there).
-        """
+        """Put a non-evictable slot on the device and drop its host copy (kept with
+        ``keep_host``: a ``sleep`` moves it back). Returns the H2D bytes (0: there)."""
         moved = 0 if slot.host is None else self.load(slot, txn)
-        if slot.host is not None:
+        if slot.host is not None and not self.keep_host:
             host, pinned = slot.host, slot.pinned
             self._account(slot, -1)
             slot.host, slot.pinned = None, False

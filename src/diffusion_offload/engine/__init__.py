@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from ..lazy import lazy_exports
 
-__all__ = ["FitError", "GenerationOutput", "ModelError", "Omni", "SamplingParams", "pick_device"]
+__all__ = ["FitError", "GenerationOutput", "ModelError", "ModelPool", "ModelSpec", "Omni", "SamplingParams",
+           "pick_device"]
 
 _LAZY = {
     "FitError": "..models.fit",
     "ModelError": "..models.files",
     "Omni": ".omni",
+    "ModelPool": ".pool",
+    "ModelSpec": ".pool",
     "pick_device": ".omni",
     "GenerationOutput": ".params",
     "SamplingParams": ".params",

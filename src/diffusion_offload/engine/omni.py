@@ -270,6 +270,9 @@ class Omni:
             ``ModelLevelOffloadBackend``.
         page_cache: ``"auto"``, ``"drop"`` or ``"keep"``: the file pages a disk-backed
             load read (``core.hostmem.PAGE_CACHE``; the backends' ``page_cache``).
+        sleepable: keep a host copy of what rests on the device too, so ``sleep`` can
+            empty the device with no device-to-host weight copy (``engine.pool.ModelPool``
+            shares one device between several engines this way); needs an offload config.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -306,6 +309,7 @@ class Omni:
         loras: Sequence[tuple[str, float]] = (),
         host_memory_budget: int | str | None = None,
         page_cache: str = "auto",
+        sleepable: bool = False,
     ) -> None:
         start = time.perf_counter()
         detach_library_tracebacks()  # before any library is imported or loads weights
@@ -370,6 +374,7 @@ class Omni:
                     device_memory_budget=device_memory_budget,
                     host_memory_budget=host_memory_budget,
                     page_cache=page_cache,
+                    sleepable=sleepable,
                 )
             else:
                 self.backend = ModelLevelOffloadBackend(
@@ -380,6 +385,7 @@ class Omni:
                     device_memory_budget=device_memory_budget,
                     host_memory_budget=host_memory_budget,
                     page_cache=page_cache,
+                    sleepable=sleepable,
                 )
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:
@@ -649,6 +655,7 @@ class Omni:
         with self._lock:  # one request at a time: no thread evicts a component mid-forward
             if self.pipeline is None:
                 raise RuntimeError("this Omni engine is closed; build a new one to generate")
+            self.wake()
             params = sampling_params or SamplingParams()
             outputs = []
             for item, pipe, kwargs in self._prepare(prompts, params):
@@ -717,6 +724,31 @@ class Omni:
         if self.tracer is None:
             raise RuntimeError("tracing is off: build Omni(..., trace=True)")
         return self.tracer.to_dict()
+
+    @property
+    def asleep(self) -> bool:
+        """Whether ``sleep`` emptied the device and no request has run since."""
+        return self.backend is not None and self.backend.asleep
+
+    def sleep(self) -> int:
+        """Move every weight of the pipeline to the host (``backend.sleep``: no device-to-host
+        copy of an unmodified weight) and empty the device cache; the next ``generate`` wakes
+        it. Returns the weight bytes that left the device.
+
+        Raises:
+            RuntimeError: the engine was not built ``sleepable=True`` with an offload config.
+        """
+        with self._lock:
+            if self.backend is None or not self.backend.mover.keep_host:
+                raise RuntimeError("sleep() needs Omni(..., sleepable=True) with an offload config")
+            freed = self.backend.sleep()
+            self.platform.empty_cache()
+            return freed
+
+    def wake(self) -> int:
+        """Undo ``sleep`` (``generate`` calls it): returns the H2D bytes, 0 when awake."""
+        with self._lock:
+            return 0 if self.backend is None else self.backend.wake()
 
     def close(self) -> None:
         """Disable offload, drop the pipeline and empty the device cache (idempotent)."""

@@ -76,6 +76,11 @@ class OffloadBackendBase:
             memory, which counts page cache), ``"keep"``, or ``"auto"`` (the default:
             drop when a cgroup memory limit applies, ``tiers.cgroup_limited``). The start
             line says which is in force.
+        sleepable: keep a host copy of every tensor, those that rest on the device too
+            (unselected components, VAEs, trunks: pinned in place, counted in the host
+            gauges and the host budget), so ``sleep`` can empty the device with no
+            device-to-host copy of an unmodified weight (several models sharing one
+            device, ``engine.pool``).
 
     A backend is a context manager: ``with ModelLevelOffloadBackend(...) as b:
     b.enable(pipe)`` disables on exit.
@@ -102,6 +107,7 @@ class OffloadBackendBase:
         host_memory_budget: int | str | None = None,
         weights_from: str | os.PathLike[str] | None = None,
         page_cache: str = "auto",
+        sleepable: bool = False,
     ) -> None:
         parsed = parse_diffusion_offload_config(config)
         if parsed is None:
@@ -134,6 +140,9 @@ class OffloadBackendBase:
         #: the host tiers chosen at the last ``enable`` with a budget (``tiers.TierPlan``)
         self.tier_plan: tiers.TierPlan | None = None
         self.mover = Mover(self.platform, parsed.pin_memory, max_pinned_bytes)
+        self.mover.keep_host = bool(sleepable)
+        #: every tensor is on the host after ``sleep`` until ``wake``
+        self.asleep = False
         self.components: dict[str, ComponentWeights] = {}
         self._table: WeightTable | None = None
         self.lock = threading.RLock()
@@ -224,6 +233,65 @@ class OffloadBackendBase:
             follow_offload(pipeline)
             self._enable(components)
             self._remember(pipeline)
+
+    def sleep(self) -> int:
+        """Move every tensor of the pipeline to its host copy: the selected components are
+        evicted, the streamed blocks released, and what rests on the device (unselected
+        components, VAEs, trunks) goes back to its kept host copy; a weight written on the
+        device is written back first (``d2h_bytes``), an unmodified one costs no copy. The
+        device then holds none of the pipeline's weights; ``wake`` (or the next load of a
+        component) brings them back. Between requests only. Idempotent.
+
+        Returns:
+            The weight bytes that left the device.
+
+        Raises:
+            RuntimeError: not enabled, not built ``sleepable``, or a forward is running.
+        """
+        with self.lock:
+            if not self._enabled or not self.mover.keep_host:
+                raise RuntimeError(f"sleep() needs an enabled backend built with sleepable=True ({self!r})")
+            before = self.device_weight_bytes()
+            self._release_streamed()
+            for w in self.components.values():
+                if w.selected:
+                    w.evict()
+            resting: dict[int, tuple[ComponentWeights, Any]] = {}
+            for w in self.components.values():
+                for s in w.slots:
+                    if not s.evictable and s.host is not None and s.on_device(self.device):
+                        resting.setdefault(id(s), (w, s))
+            txn = Transaction()
+            try:
+                for w in {id(w): w for w, _ in resting.values()}.values():
+                    slots = [s for owner, s in resting.values() if owner is w]
+                    self.mover.evict(slots, txn, w.changed(slots))
+            except BaseException:
+                txn.rollback()
+                raise
+            txn.commit()
+            self.platform.synchronize()
+            self.asleep = True
+            return before - self.device_weight_bytes()
+
+    def wake(self) -> int:
+        """Undo ``sleep``: put back on the device what rests there after ``enable`` (the
+        selected components load at their next call, as always). Returns the H2D bytes;
+        0 when not asleep."""
+        with self.lock:
+            if not self.asleep:
+                return 0
+            moved = sum(w.load() for w in self.components.values() if not self._at_rest_on_host(w))
+            self.asleep = False
+            return moved
+
+    def _release_streamed(self) -> None:
+        """``sleep``'s first step: release whatever the mode streams (layer mode's blocks)."""
+
+    def device_weight_bytes(self) -> int:
+        """Bytes of the managed tensors on the device now (each slot once)."""
+        slots = {id(s): s for w in self.components.values() for s in w.slots}
+        return sum(s.nbytes for s in slots.values() if s.on_device(self.device))
 
     def disable(self) -> None:
         """Remove every hook this backend installed; tensors stay where they are. The host
@@ -374,6 +442,10 @@ class OffloadBackendBase:
                         payloads.setdefault(id(t), t)
         # on the device now: their first eviction allocates their host copies (RAM only)
         on_device = self._bytes_on_device({n: ts for n, ts in named.items() if selected[n]})
+        if self.mover.keep_host:  # sleepable: what rests on the device keeps a copy in RAM
+            resting = {id(t): payload_of(t) for n, ts in named.items() if not selected[n]
+                       for _, t in ts if id(t) not in payloads}
+            on_device += sum(p.numel() * p.element_size() for p in resting.values())
         maps = tiers.FileMaps()
         if self.weights_from is not None:
             if back_with_files(self.weights_from, named, selected, maps):
@@ -447,7 +519,7 @@ class OffloadBackendBase:
                 # a tensor shared by several components (a tie between two selected
                 # ones) is on the device while any of its owners is resident
                 holders = sorted(o for o in slot.owners if o in comps and comps[o].resident)
-                want_dev = (not slot.evictable) or bool(holders)
+                want_dev = not self.asleep and ((not slot.evictable) or bool(holders))
                 if on_dev != want_dev:
                     shared = f", shared with {sorted(slot.owners - {comp.name})}" if len(slot.owners) > 1 else ""
                     out.append(

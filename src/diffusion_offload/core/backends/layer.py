@@ -275,11 +275,12 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
         host_memory_budget: int | str | None = None,
         weights_from: str | os.PathLike[str] | None = None,
         page_cache: str = "auto",
+        sleepable: bool = False,
     ) -> None:
         super().__init__(
             config, device, component_roles=component_roles, max_pinned_bytes=max_pinned_bytes,
             host_memory_budget=host_memory_budget, weights_from=weights_from,
-            page_cache=page_cache,
+            page_cache=page_cache, sleepable=sleepable,
         )
         if device_memory_budget != "auto":  # the bytes of "auto" are measured at enable
             resolve_budget(device_memory_budget, self.platform)
@@ -362,6 +363,10 @@ class LayerwiseOffloadBackend(OffloadBackendBase):
             super().disable()
             if not self._enabled:
                 self.streamer = None
+
+    def _release_streamed(self) -> None:
+        if self.streamer is not None:
+            self.streamer.release_all()
 
     def audit(self) -> list[str]:
         """Every breach of layer mode's residency invariant; ``[]`` when all holds.

@@ -55,6 +55,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
         host_memory_budget: int | str | None = None,
         weights_from: str | os.PathLike[str] | None = None,
         page_cache: str = "auto",
+        sleepable: bool = False,
     ) -> None:
         super().__init__(
             config,
@@ -65,6 +66,7 @@ class ModelLevelOffloadBackend(OffloadBackendBase):
             host_memory_budget=host_memory_budget,
             weights_from=weights_from,
             page_cache=page_cache,
+            sleepable=sleepable,
         )
         if device_memory_budget is not None:
             # validate now (the bytes of "auto" are measured at enable)
