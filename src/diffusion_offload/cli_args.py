@@ -202,6 +202,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
         )
         if value is not None
     ]
+    if getattr(args, "ray", False) and (getattr(args, "extra_models", None) or getattr(args, "models_file", None)):
+        raise CliError("--ray serves one model (MODEL); several models (--model, --models) run in "
+                       "plain serve for now; drop --ray or give one MODEL")
+    if getattr(args, "ray", False) and getattr(args, "model", None) is None:
+        raise CliError("serve --ray needs MODEL (a pipeline directory or hub id)")
     if getattr(args, "ray", False):
         for flag in ("--max-connections", "--timeout-keep-alive", "--timeout-headers", "--timeout-body"):
             value = getattr(args, flag[2:].replace("-", "_"), None)
@@ -544,10 +549,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser(
         "serve", help="serve the model over an OpenAI-style HTTP API",
-        description="Serve one model: OpenAI-style images API, async video jobs, /metrics.",
+        description="Serve one model, or several sharing one device (--model repeated, or "
+                    "--models FILE): OpenAI-style images API, async video jobs, /metrics.",
         epilog=SERVER_FIELDS, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    srv.add_argument("model", help="pipeline directory or hub id (required)")
+    srv.add_argument("model", nargs="?", help="pipeline directory or hub id (one model; or give "
+                                              "--model / --models)")
+    srv.add_argument("--model", dest="extra_models", action="append", default=[], metavar="[ID=]PATH",
+                     help="a model to serve (repeatable): requests name it by ID (default: PATH as "
+                          "given); several models share the device, one awake at a time "
+                          "(default: none)")
+    srv.add_argument("--models", dest="models_file", metavar="FILE",
+                     help="models to serve, a TOML ([[models]] tables) or JSON list of entries with "
+                          "id, path and optionally config, variant, dtype, loras (default: none)")
     srv.add_argument("--omni", action="store_true",
                      help="accepted for vLLM-Omni command-line compatibility (default: off)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")

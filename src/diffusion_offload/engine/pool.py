@@ -24,7 +24,7 @@ from typing import Any
 
 from ..models.files import inspect_model, resolve_model
 
-__all__ = ["DEFAULT_CONFIG", "ModelPool", "ModelSpec", "UnknownModelError"]
+__all__ = ["DEFAULT_CONFIG", "ModelPool", "ModelSpec", "PoolModel", "UnknownModelError"]
 
 DEFAULT_CONFIG: dict[str, Any] = {"mode": "module", "components": ["dit", "text_encoder"]}
 """The offload config of a pool model that gives none: module mode, DiTs and text encoders."""
@@ -84,7 +84,8 @@ class ModelPool:
 
     Args:
         specs: the models (``ModelSpec``), ids unique.
-        host_memory_budget: bytes for the host copies of all models together (None: no
+        host_memory_budget: bytes for the host copies of all models together, ``"auto"``
+            (``core.tiers.auto_host_budget``, measured before any model loads) or None (no
             budget); each model gets a part proportional to its stored weight bytes.
         build: ``build(spec, host_memory_budget) -> Omni``-like engine (tests inject one);
             default: ``Omni(spec.path, spec.config or DEFAULT_CONFIG, sleepable=True, ...)``
@@ -108,7 +109,7 @@ class ModelPool:
         self,
         specs: Sequence[ModelSpec],
         *,
-        host_memory_budget: int | None = None,
+        host_memory_budget: int | str | None = None,
         build: Callable[[ModelSpec, int | None], Any] | None = None,
         **omni_kwargs: Any,
     ) -> None:
@@ -123,6 +124,10 @@ class ModelPool:
         self.counts: dict[str, ModelCounts] = {s.id: ModelCounts() for s in specs}
         self.active: str | None = None
         self.listeners: list[Callable[[str, float], None]] = []
+        if host_memory_budget == "auto":
+            from ..core.tiers import auto_host_budget
+
+            host_memory_budget = auto_host_budget()
         self.host_memory_budget = host_memory_budget
         parts = self._budget_parts(specs, host_memory_budget)
         make = build or (lambda spec, budget: _build_omni(spec, budget, omni_kwargs))
@@ -240,6 +245,11 @@ class ModelPool:
             })
         return out
 
+    def views(self) -> dict[str, "PoolModel"]:
+        """id -> an engine-like view of that model whose ``generate`` goes through the pool
+        (``PoolModel``), in the order given: what a server routes requests to."""
+        return {name: PoolModel(self, name) for name in self.engines}
+
     def close(self) -> None:
         """Close every engine (idempotent)."""
         with self._lock:
@@ -252,6 +262,28 @@ class ModelPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class PoolModel:
+    """One model of a ``ModelPool`` seen as an engine: ``generate`` hands the device to it
+    first (``ModelPool.generate``); every other attribute (``is_video``, ``knobs``,
+    ``check_request``, ``pipeline``, ``stats``...) is its ``Omni``'s.
+
+    Args:
+        pool: the pool.
+        model: the model's id in it.
+    """
+
+    def __init__(self, pool: ModelPool, model: str) -> None:
+        self.pool = pool
+        self.model_id = model
+
+    def generate(self, prompts: Any, sampling_params: Any = None) -> list[Any]:
+        """``ModelPool.generate(self.model_id, ...)``."""
+        return self.pool.generate(self.model_id, prompts, sampling_params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool.engines[self.model_id], name)
 
 
 def _build_omni(spec: ModelSpec, budget: int | None, kwargs: Mapping[str, Any]) -> Any:

@@ -175,12 +175,18 @@ def serve(args: argparse.Namespace) -> int:
     """
     from ..cli_args import CliError, check_lora_args, parse_config_args, quiet_libraries
 
+    from .model_list import model_specs
+
     try:
-        settings = ServerSettings.from_args(args)
-        if not 0 <= args.port <= 65535:
-            raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
         config = parse_config_args(args)
         check_lora_args(args)
+        defaults = {"config": None if config == "auto" else config, "variant": getattr(args, "variant", None),
+                    "dtype": args.dtype, "loras": [tuple(lora) for lora in getattr(args, "lora", None) or []]}
+        specs = model_specs(args.model, getattr(args, "extra_models", []), getattr(args, "models_file", None),
+                            defaults)
+        settings = ServerSettings.from_args(args, tuple(s.id for s in specs))
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
         limits = ConnectionLimits(
             max_connections=resolve_max_connections(settings.max_connections),
             timeout_keep_alive=settings.timeout_keep_alive,
@@ -196,13 +202,19 @@ def serve(args: argparse.Namespace) -> int:
     from ..engine.omni import parse_dtype, pick_device
     from ..engine.omni import build_omni
 
+    pooled = len(specs) > 1 or getattr(args, "models_file", None) is not None
     try:
         dtype = parse_dtype(args.dtype)
         device = pick_device(args.device)
-        model_dir = resolve_model(args.model)
-        inspect_model(model_dir, getattr(args, "variant", None))
-    except (ModelError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
         return fail(str(exc))
+    for spec in specs:
+        try:
+            parse_dtype(spec.dtype)
+            inspect_model(resolve_model(spec.path), spec.variant)
+        except (ModelError, ValueError, TypeError) as exc:
+            return fail(f"model {spec.id!r}: {exc}" if pooled else str(exc))
+    model_dir = resolve_model(specs[0].path)
     try:
         sock = bind_socket(args.host, args.port)
     except ValueError as exc:
@@ -220,6 +232,12 @@ def serve(args: argparse.Namespace) -> int:
         extra["loras"] = [tuple(lora) for lora in args.lora]
 
     def factory() -> Any:
+        if pooled:  # several models take turns on the device (engine.pool)
+            from ..engine.pool import ModelPool
+
+            shared = {k: v for k, v in extra.items() if k not in ("loras", "host_memory_budget")}
+            return ModelPool(specs, host_memory_budget=extra.get("host_memory_budget"), device=device,
+                             max_pinned_bytes=pinned, progress=False, **shared)
         return build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned,
                           device=device, dtype=dtype, progress=False, **extra)
 
@@ -304,7 +322,7 @@ class _Server(uvicorn.Server):
         """uvicorn's startup, then one line ``serving MODEL at http://HOST:PORT`` on stdout."""
         await super().startup(sockets=sockets)
         if self.started:
-            print(f"serving {self._state.settings.model_id} at {self._url}", flush=True)
+            print(f"serving {', '.join(self._state.settings.model_ids)} at {self._url}", flush=True)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """Begin the graceful shutdown, or on a second signal exit now (signal handler)."""

@@ -22,6 +22,11 @@ Exposed at ``GET /metrics`` (text format):
   ``diffusion_offload_last_peak_host_memory_bytes{kind}``: the same for the sampled peak
   resident host memory of a request (``kind`` ``anon``: RssAnon, ``file``: RssFile;
   ``engine.hostrss``), 0 off Linux.
+- ``diffusion_offload_model_swaps_total{model}``, ``diffusion_offload_model_swap_seconds{model}``
+  (histogram: the seconds to hand the device to a model of a pool: the awake one's sleep
+  and its wake) and ``diffusion_offload_model_bytes{model,tier}`` (``tier``: ``device``,
+  ``pinned``, ``pageable``, ``disk``; read at scrape time). One label per served model:
+  the ids are fixed at start, so the label sets are bounded.
 - ``diffusion_offload_pinned_host_bytes`` and ``..._pinned_overhead_bytes``: the engine's
   pinned host memory now, every byte (``TransferStats.pinned_bytes``), and the part that is
   not host copies (staging ring, check buffers, rounding); read at scrape time.
@@ -85,7 +90,8 @@ JOB_FAMILIES = frozenset(
 ENGINE_FAMILIES = frozenset(
     [f"{_PREFIX}_{n}" for n in ("model_loaded", "peak_device_memory_bytes",
                                 "last_peak_device_memory_bytes", "peak_host_memory_bytes",
-                                "last_peak_host_memory_bytes")]
+                                "last_peak_host_memory_bytes", "model_bytes", "model_swaps",
+                                "model_swap_seconds")]
     + [f"{_PREFIX}_{name}" for _, name, _ in _STATS + _STAT_GAUGES]
 )
 """Families of the engine (one per generator)."""
@@ -148,6 +154,28 @@ class _EngineStatsCollector(Collector):
             yield GaugeMetricFamily(f"{_PREFIX}_{name}", doc, value=float(value))
 
 
+class _ModelBytesCollector(Collector):
+    """``diffusion_offload_model_bytes{model,tier}`` from the served models' descriptions,
+    read at scrape time."""
+
+    _TIERS = (("device", "device_bytes"), ("pinned", "pinned_bytes"), ("pageable", "pageable_bytes"),
+              ("disk", "disk_bytes"))
+
+    def __init__(self, models: Callable[[], list[dict[str, Any]]]) -> None:
+        self._models = models
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily(f"{_PREFIX}_model_bytes", "Weight bytes of each served model by tier now.",
+                                   labels=["model", "tier"])
+        for m in self._models():
+            for tier, key in self._TIERS:
+                family.add_metric([m["id"], tier], float(m.get(key, 0)))
+        yield family
+
+
 class ServerMetrics:
     """The server's metrics.
 
@@ -155,6 +183,12 @@ class ServerMetrics:
         engine: returns the loaded engine or None (read at scrape time).
         queue_depth: returns the number of waiting jobs.
         running: returns the number of running jobs (0 or 1).
+        models: returns the served models' descriptions (``describe_models``: ``id``,
+            ``device_bytes``, ``pinned_bytes``...), read at scrape time.
+        model_ids: every served model's id (their swap series are exported from the start).
+
+    Attributes:
+        runs: jobs that started running (a finished job's ``started_at`` set).
     """
 
     def __init__(
@@ -162,6 +196,8 @@ class ServerMetrics:
         engine: Callable[[], Any],
         queue_depth: Callable[[], int],
         running: Callable[[], int],
+        models: Callable[[], list[dict[str, Any]]] = lambda: [],
+        model_ids: tuple[str, ...] = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -230,6 +266,16 @@ class ServerMetrics:
             self.peak_host.labels(kind)
             self.last_peak_host.labels(kind)
         r.register(_EngineStatsCollector(engine))
+        r.register(_ModelBytesCollector(models))
+        self.swaps = Counter(f"{_PREFIX}_model_swaps", "Times the device was handed to a model.", ["model"],
+                             registry=r)
+        self.swap_seconds = Histogram(f"{_PREFIX}_model_swap_seconds",
+                                      "Seconds to hand the device to a model (sleep the awake one, wake it).",
+                                      ["model"], buckets=_HTTP_BUCKETS, registry=r)
+        for model in model_ids:
+            self.swaps.labels(model)
+            self.swap_seconds.labels(model)
+        self.runs = 0
         for kind in ("image", "video"):  # export zeros before the first job
             for status in ("completed", "failed", "cancelled"):
                 self.jobs.labels(kind, status)
@@ -252,12 +298,18 @@ class ServerMetrics:
                 self._peak_host[kind] = nbytes
                 self.peak_host.labels(kind).set(nbytes)
 
+    def observe_swap(self, model: str, seconds: float) -> None:
+        """Count a swap to ``model`` that took ``seconds`` (a ``ModelPool`` listener)."""
+        self.swaps.labels(model).inc()
+        self.swap_seconds.labels(model).observe(seconds)
+
     def observe_job(self, job: Any) -> None:
         """Count a finished job and its queue and run times."""
         code = (job.error or {}).get("code")
         status = "cancelled" if code == "cancelled" else job.status
         self.jobs.labels(job.kind, status).inc()
         if job.started_at is not None:
+            self.runs += 1
             self.queue_seconds.labels(job.kind).observe(max(0.0, job.started_at - job.created_at))
             if job.completed_at is not None:
                 self.run_seconds.labels(job.kind).observe(

@@ -29,6 +29,7 @@ from .schemas import (
     validation_error,
 )
 from .middleware import key_matches
+from .served import ServedModel
 from .state import BaseServerState, ClientGone, JobSpec, random_seed
 
 __all__ = ["add_routes"]
@@ -40,12 +41,12 @@ _MULTIPART = "multipart/form-data"
 _URLENCODED = "application/x-www-form-urlencoded"
 
 
-def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
-    """The request's size, steps and frames with omitted fields set to the server's
-    defaults (the model's: a make-tiny model's small ones, else the pipeline's)."""
+def _resolve(m: ServedModel, req: Any, video: bool) -> dict[str, Any]:
+    """The request's size, steps and frames with omitted fields set to the served model's
+    defaults (a make-tiny model's small ones, else the pipeline's)."""
     from ..models.rules import DEFAULT_FPS, frames_for_seconds
 
-    rules = state.rules
+    rules = m.rules
     defaults = dict(rules.defaults) if rules is not None else {}
     width, height = req.dimensions or (None, None)
     values: dict[str, Any] = {
@@ -58,7 +59,7 @@ def _resolve(state: BaseServerState, req: Any, video: bool) -> dict[str, Any]:
     if video:
         if req.seconds is not None:
             fps = req.fps or DEFAULT_FPS
-            values["num_frames"] = frames_for_seconds(req.duration, fps, state.limits.frame_step)
+            values["num_frames"] = frames_for_seconds(req.duration, fps, m.limits.frame_step)
         else:
             values["num_frames"] = (
                 req.num_frames if req.num_frames is not None else defaults.get("num_frames")
@@ -80,10 +81,9 @@ def _image_input(engine: Any) -> tuple[str | None, str]:
     return getattr(engine, "image_input", None), getattr(engine, "pipeline_class", "this model")
 
 
-def _params(state: BaseServerState, req: Any, values: dict[str, Any], text: bool,
-            limits: Any = None, **fields: Any) -> Any:
+def _params(limits: Any, req: Any, values: dict[str, Any], text: bool, **fields: Any) -> Any:
     """``SamplingParams`` of a validated request: its resolved values, knobs (checked
-    against ``limits``' knob table, default the server's) and seed."""
+    against ``limits``' knob table: the served model's, or its edit pipeline's) and seed."""
     from ..engine.params import SamplingParams
 
     return SamplingParams(
@@ -94,7 +94,7 @@ def _params(state: BaseServerState, req: Any, values: dict[str, Any], text: bool
         seed=req.seed if req.seed is not None else random_seed(),
         flow_shift=req.flow_shift,
         boundary_ratio=req.boundary_ratio,
-        extra=pipeline_kwargs(req, limits or state.limits, text=text) or None,
+        extra=pipeline_kwargs(req, limits, text=text) or None,
         **fields,
     )
 
@@ -149,17 +149,6 @@ def _wrong_content_type(got: str, allowed: tuple[str, ...]) -> APIError:
         f"Unsupported Content-Type {got or '(none)'!r}; send {' or '.join(allowed)}.",
         code="unsupported_content_type",
     )
-
-
-def _check_model(state: BaseServerState, model: str | None) -> None:
-    if model is not None and model != state.settings.model_id:
-        raise APIError(
-            400,
-            f"Invalid value for 'model': this server serves {state.settings.model_id!r}, "
-            f"not {model!r}.",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def add_routes(app: FastAPI, state: BaseServerState) -> None:
@@ -226,31 +215,40 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         body = await state.health_report(authorized)
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
-    def model_card() -> dict[str, Any]:
-        """The OpenAI model object of the one served model (id = MODEL as given)."""
-        return {
-            "id": settings.model_id,
-            "object": "model",
-            "created": state.loaded_at,
-            "owned_by": "diffusion-offload",
-        }
+    def model_cards() -> dict[str, dict[str, Any]]:
+        """id -> the OpenAI model object of each served model (ids as given on the command
+        line), with where its weights are now (``device_bytes``, ``host_bytes``,
+        ``disk_bytes``), its ``kind`` and its ``requests`` and ``swaps`` (a pool's)."""
+        cards = {}
+        loaded = {m.id: m for m in state.models.values()}
+        described = {d["id"]: d for d in state.describe_models()}
+        for model_id in state.settings.model_ids:
+            card = {"id": model_id, "object": "model", "created": state.loaded_at,
+                    "owned_by": "diffusion-offload"}
+            if model_id in loaded:
+                card["kind"] = "video" if getattr(loaded[model_id].engine, "is_video", False) else "image"
+            card.update({k: v for k, v in described.get(model_id, {}).items() if k != "id"})
+            cards[model_id] = card
+        return cards
 
     @app.get("/v1/models")
     async def list_models() -> Any:
-        """The one model served."""
-        return {"object": "list", "data": [model_card()]}
+        """Every served model."""
+        return {"object": "list", "data": list(model_cards().values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Any:
-        """The model, if ``model_id`` is its id."""
-        if model_id != settings.model_id:
+        """The model, if ``model_id`` is one of the served ids."""
+        card = model_cards().get(model_id)
+        if card is None:
+            served = ", ".join(repr(m) for m in state.settings.model_ids)
             raise APIError(
                 404,
-                f"The model {model_id!r} does not exist.",
+                f"The model {model_id!r} does not exist; this server serves {served}.",
                 param="model",
                 code="model_not_found",
             )
-        return model_card()
+        return card
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -269,33 +267,32 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             req = ImageGenerationRequest.model_validate_json(await request.body(), strict=True)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        return await run_images(request, req, _prompt_item(req), state.limits, text=False)
+        m = state.served(req.model)
+        return await run_images(request, m, req, _prompt_item(req), m.limits, text=False)
 
-    async def run_images(request: Request, req: Any, prompt: Any, limits: Any,
+    async def run_images(request: Request, m: ServedModel, req: Any, prompt: Any, limits: Any,
                          text: bool, answer: Any = None) -> Any:
-        """Check, queue and answer an images request (generations, edits, chat);
-        ``limits`` carries the knob table of the pipeline that runs it, ``text`` says the
-        values come from a form; ``answer(images, fmt, headers)`` builds the response
-        (default: OpenAI's images response)."""
-        engine = state.require_engine()
-        _check_model(state, req.model)
+        """Check, queue and answer an images request (generations, edits, chat) for the
+        served model ``m``; ``limits`` carries the knob table of the pipeline that runs
+        it, ``text`` says the values come from a form; ``answer(images, fmt, headers)``
+        builds the response (default: OpenAI's images response)."""
+        engine = m.engine
         if engine.is_video:
             raise APIError(
                 400,
-                f"The model {settings.model_id!r} generates videos; use POST /v1/videos.",
+                f"The model {m.id!r} generates videos; use POST /v1/videos.",
                 param="model",
                 code="unsupported_model",
             )
-        values = _resolve(state, req, video=False)
-        check_limits(req, state.limits, values)
+        values = _resolve(m, req, video=False)
+        check_limits(req, m.limits, values)
         n = req.n or 1
-        params = _params(state, req, values, text=text, limits=limits,
-                         num_outputs_per_prompt=n)
-        await state.check_request(prompt, params)
+        params = _params(limits, req, values, text=text, num_outputs_per_prompt=n)
+        await state.check_request(prompt, params, engine)
         fmt = req.output_format or "png"
         as_url = req.response_format == "url"  # kept like a video job, served below
         spec = JobSpec(prompt, params, size=req.size, image_format=fmt,
-                       compression=req.output_compression)
+                       compression=req.output_compression, model=m.id)
         job = Job("image", spec, store=as_url)
         try:
             images = await state.run_and_wait(job, lambda: _wait_disconnect(request))
@@ -315,10 +312,10 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
         body = {"created": int(time.time()), "data": data, "output_format": fmt}
         return JSONResponse(body, headers=headers) if headers else body
 
-    async def edit_prompt(req: Any, images: list[Any], mask_image: Any) -> tuple[Any, Any, Any]:
-        """``(req, prompt, limits)`` of an edit: the size defaults to the image's (rounded
-        down to the model's multiple), the knobs are the edit pipeline's."""
-        engine = state.require_engine()
+    async def edit_prompt(m: ServedModel, req: Any, images: list[Any], mask_image: Any) -> tuple[Any, Any, Any]:
+        """``(req, prompt, limits)`` of an edit on ``m``: the size defaults to the image's
+        (rounded down to the model's multiple), the knobs are the edit pipeline's."""
+        engine = m.engine
         knobs_for = getattr(engine, "knobs_for", None)
         if knobs_for is None:
             raise APIError(400, "This server's engine cannot edit images.", param="image",
@@ -329,16 +326,16 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             raise APIError(400, f"Invalid request: {exc}.", param="image",
                            code="unsupported_model") from None
         if req.dimensions is None:  # an edit keeps the image's size (a multiple of the model's)
-            m = state.limits.size_multiple
+            step = m.limits.size_multiple
             width, height = images[0].size
-            req = req.model_copy(update={"width": max(m, width - width % m),
-                                         "height": max(m, height - height % m)})
+            req = req.model_copy(update={"width": max(step, width - width % step),
+                                         "height": max(step, height - height % step)})
         prompt = {"prompt": req.prompt, "image": images if len(images) > 1 else images[0]}
         if req.negative_prompt is not None:
             prompt["negative_prompt"] = req.negative_prompt
         if mask_image is not None:
             prompt["mask"] = mask_image
-        return req, prompt, replace(state.limits, knobs=knobs, refused=refused)
+        return req, prompt, replace(m.limits, knobs=knobs, refused=refused)
 
     @app.post("/v1/images/edits")
     async def images_edits(request: Request) -> Any:
@@ -387,7 +384,7 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                 _form_json({k: v[0] for k, v in fields.items()}), strict=False)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        state.require_engine()
+        m = state.served(req.model)
         uploads = [Upload("image", data) for data in files["image"]]
         uploads += [Upload("mask", data, "L") for data in files.get("mask", [])]
         decoded = await decode_uploads_async(uploads, state.limits.max_pixels)
@@ -398,8 +395,8 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                                 f"{mask_image.size[1]}, the image {images[0].size[0]}x"
                                 f"{images[0].size[1]}; they must be the same size.",
                            param="mask", code="invalid_value")
-        req, prompt, limits = await edit_prompt(req, images, mask_image)
-        return await run_images(request, req, prompt, limits, text=True)
+        req, prompt, limits = await edit_prompt(m, req, images, mask_image)
+        return await run_images(request, m, req, prompt, limits, text=True)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -421,16 +418,16 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             req = ImageGenerationRequest.model_validate(fields, strict=True)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        state.require_engine()
-        prompt, limits = _prompt_item(req), state.limits
+        m = state.served(req.model)
+        prompt, limits = _prompt_item(req), m.limits
         if uploads:
             images = await decode_uploads_async(uploads, state.limits.max_pixels)
-            req, prompt, limits = await edit_prompt(req, images, None)
+            req, prompt, limits = await edit_prompt(m, req, images, None)
 
         def answer(images: list[bytes], fmt: str, headers: dict[str, str]) -> Any:
-            return JSONResponse(chat_completion(settings.model_id, images, fmt), headers=headers)
+            return JSONResponse(chat_completion(m.id, images, fmt), headers=headers)
 
-        return await run_images(request, req, prompt, limits, text=False, answer=answer)
+        return await run_images(request, m, req, prompt, limits, text=False, answer=answer)
 
     @app.get("/v1/images/{image_id}/{index}.{ext}", name="image_file")
     async def image_file(image_id: str, index: int, ext: str) -> Response:
@@ -483,19 +480,19 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                 raise _wrong_content_type(media, (_JSON, _MULTIPART, _URLENCODED))
         except ValidationError as exc:
             raise validation_error(exc) from None
-        engine = state.require_engine()
-        _check_model(state, req.model)
+        m = state.served(req.model)
+        engine = m.engine
         if not engine.is_video:
             raise APIError(
                 400,
-                f"The model {settings.model_id!r} generates images; "
+                f"The model {m.id!r} generates images; "
                 "use POST /v1/images/generations.",
                 param="model",
                 code="unsupported_model",
             )
-        values = _resolve(state, req, video=True)
-        check_limits(req, state.limits, values)
-        params = _params(state, req, values, text=is_form, num_frames=values["num_frames"],
+        values = _resolve(m, req, video=True)
+        check_limits(req, m.limits, values)
+        params = _params(m.limits, req, values, text=is_form, num_frames=values["num_frames"],
                          fps=req.fps, guidance_scale_2=req.guidance_scale_2)
         prompt = _prompt_item(req)
         if reference:
@@ -505,9 +502,9 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
                                 f"{_image_input(engine)[1]} makes videos from an image; "
                                 "upload it as 'input_reference' in a multipart form.",
                            param="input_reference", code="missing_required_parameter")
-        await state.check_request(prompt, params)
+        await state.check_request(prompt, params, engine)
         job = Job("video", JobSpec(prompt, params, fps=req.fps, size=req.size,
-                                   seconds=req.seconds), store=True)
+                                   seconds=req.seconds, model=m.id), store=True)
         body = state.video_object(job, status=QUEUED)
         await state.submit_job(job)
         return body

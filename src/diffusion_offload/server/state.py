@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .engine_adapter import ProgressTracker, call_params, frame_step
+from .engine_adapter import ProgressTracker
 from .errors import APIError
 from .jobs import (
     COMPLETED,
@@ -33,6 +33,7 @@ from .jobs import (
 )
 from .metrics import ServerMetrics
 from .schemas import Limits
+from .served import ServedModel, engine_views, model_limits, route
 
 __all__ = [
     "DEFAULT_FPS", "SHUTDOWN_SETTLE", "BaseServerState", "JobSpec", "RequestRefused",
@@ -119,7 +120,9 @@ class ServerSettings:
     """Settings of one server (the ``serve`` flags).
 
     Attributes:
-        model_id: the model as given on the command line (the id in ``/v1/models``).
+        model_id: the model as given on the command line (the id in ``/v1/models``); with
+            several models, the first one's id.
+        model_ids: every served model's id, in order (default: ``(model_id,)``).
         api_key: bearer token required on ``/v1/`` routes, or None.
         max_queue: most jobs waiting (the running one not counted); more answer 429.
         max_pixels: largest ``width * height`` of a request (default 2 MP: OpenAI's
@@ -162,8 +165,10 @@ class ServerSettings:
     timeout_keep_alive: float = 5.0
     timeout_headers: float = 10.0
     timeout_body: float = 30.0
+    model_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self.model_ids = tuple(self.model_ids) or (self.model_id,)
         for name, minimum in (
             ("max_queue", 1),
             ("max_pixels", 1),
@@ -195,20 +200,22 @@ class ServerSettings:
         self.allowed_hosts = tuple(normalize_host(h, "--allowed-hosts") for h in self.allowed_hosts)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
-        """Settings from the parsed ``serve`` arguments.
+    def from_args(cls, args: argparse.Namespace, model_ids: tuple[str, ...] = ()) -> ServerSettings:
+        """Settings from the parsed ``serve`` arguments; ``model_ids``: the served models'
+        ids (default: ``MODEL`` as given).
 
         Raises:
             ValueError: a limit out of range.
         """
-        names = {f.name for f in fields(cls)} - {"model_id", "allowed_origins", "allowed_hosts"}
+        names = {f.name for f in fields(cls)} - {"model_id", "model_ids", "allowed_origins", "allowed_hosts"}
         values = {
             name: getattr(args, name) for name in names if getattr(args, name, None) is not None
         }
         for name in ("allowed_origins", "allowed_hosts"):
             text = getattr(args, name, None) or ""
             values[name] = tuple(p.strip() for p in text.split(",") if p.strip())
-        return cls(model_id=str(args.model), **values)
+        ids = tuple(model_ids) or (str(args.model),)
+        return cls(model_id=ids[0], model_ids=ids, **values)
 
 
 def check_api_key(key: str) -> None:
@@ -276,6 +283,7 @@ class JobSpec:
         seconds: the request's ``seconds`` as given (``"4"``), echoed by the video object.
         image_format: ``png``, ``jpeg`` or ``webp`` (images).
         compression: ``output_compression`` 0-100, or None (the encoder's default).
+        model: the id of the served model that runs it (None: the one model).
     """
 
     prompt: Any
@@ -285,6 +293,7 @@ class JobSpec:
     seconds: str | None = None
     image_format: str = "png"
     compression: int | None = None
+    model: str | None = None
 
     def release_inputs(self) -> None:
         """Drop the prompt's decoded images (``image``, ``mask``: an edit's or an
@@ -387,6 +396,7 @@ class BaseServerState:
         self.metrics = metrics
         self.engine: Any = None
         self.rules: Any = None  # models.rules.ModelRules once loaded (None for test doubles)
+        self.models: dict[str, ServedModel] = {}  # id -> the served model, once loaded
         self.limits = Limits(
             settings.max_pixels, default_max_frames(settings, None), settings.max_steps,
             settings.size_multiple or 16,
@@ -422,6 +432,24 @@ class BaseServerState:
             raise APIError(503, "The model is still loading; retry shortly.", code="model_loading")
         return self.engine
 
+    def served(self, model: str | None, check: bool = True) -> ServedModel:
+        """The loaded model a request's ``model`` names (``served.route``): the one model,
+        or with several the one named.
+
+        Raises:
+            APIError: 503 as ``require_engine``; 400/404 as ``served.route``.
+        """
+        self.require_engine()
+        return self._route(model, check)
+
+    def _route(self, model: str | None, check: bool) -> ServedModel:
+        # one model: the state's own engine, limits and rules (the Ray ingress sets its
+        # limits from a generator's after loading)
+        models = self.models if len(self.models) > 1 else {
+            self.settings.model_id: ServedModel(self.settings.model_id, self.engine, self.limits, self.rules)
+        }
+        return route(models, model, check)
+
     @property
     def health(self) -> str:
         """``"ok"``, ``"loading"`` or ``"failed"`` (shutting down counts as loading: 503)."""
@@ -436,13 +464,37 @@ class BaseServerState:
         no key set) lets subclasses add details (the Ray server lists its replicas)."""
         return {"status": self.health}
 
+    def describe_models(self) -> list[dict[str, Any]]:
+        """Per served model, where its weights are now and what it did: a pool's
+        ``describe()``; for one engine its ``device_bytes``, ``host_bytes`` (pinned,
+        pageable, written), ``disk_bytes`` and the jobs it ran (``requests``; ``swaps``
+        0). ``[]`` before the load, or for engines that keep no stats (remote ones)."""
+        engine = self.engine
+        describe = getattr(engine, "describe", None)
+        if callable(describe):
+            return describe()
+        stats = getattr(engine, "stats", None)
+        if stats is None:
+            return []
+        backend = getattr(engine, "backend", None)
+        return [{
+            "id": self.settings.model_id,
+            "device_bytes": 0 if backend is None else backend.device_weight_bytes(),
+            "host_bytes": stats.pinned_bytes + stats.pageable_host_bytes + stats.cow_bytes,
+            "pinned_bytes": stats.pinned_bytes,
+            "pageable_bytes": stats.pageable_host_bytes,
+            "disk_bytes": stats.disk_backed_bytes,
+            "requests": self.metrics.runs,
+            "swaps": 0,
+        }]
+
     async def render_metrics(self) -> bytes:
         """The Prometheus text exposition of ``GET /metrics``."""
         return self.metrics.render()
 
     # ------------------------------------------------------------------ jobs
 
-    async def check_request(self, prompt: Any, params: Any) -> None:
+    async def check_request(self, prompt: Any, params: Any, engine: Any = None) -> None:
         """What the engine (and the pipeline's own ``check_inputs``) would refuse, as a 400
         now, run off the event loop; engines without ``check_request`` (test doubles, the
         ingress's description of a remote model) skip it, and their jobs are checked by
@@ -452,7 +504,7 @@ class BaseServerState:
             APIError: 400 (:func:`refusal_error`) for the engine's ``ValueError``; any other
                 exception propagates (a fault: the generic 500 with a request id, logged).
         """
-        check = getattr(self.engine, "check_request", None)
+        check = getattr(engine if engine is not None else self.engine, "check_request", None)
         if check is None:
             return
         try:
@@ -522,7 +574,7 @@ class BaseServerState:
         return {
             "id": job.id,
             "object": "video",
-            "model": self.settings.model_id,
+            "model": spec.model or self.settings.model_id,
             "status": status,
             "progress": 0 if status == QUEUED else int(job.progress),
             "prompt": prompt,
@@ -571,6 +623,8 @@ class ServerState(BaseServerState):
                 engine=lambda: self.engine,
                 queue_depth=lambda: self.jobs.queue_depth,
                 running=lambda: self.jobs.running_count,
+                models=self.describe_models,
+                model_ids=settings.model_ids,
             ),
         )
         self.jobs.on_finish = self.metrics.observe_job
@@ -581,28 +635,16 @@ class ServerState(BaseServerState):
     # ------------------------------------------------------------------ lifecycle
 
     def _publish(self, engine: Any) -> None:
-        info = getattr(engine, "info", None)
-        if info is not None and hasattr(info, "pipeline_class"):
-            from ..models.rules import model_rules
-
-            self.rules = model_rules(info)
-        rules = self.rules
-        step = rules.frame_step if rules is not None else frame_step(engine)
-        knobs = getattr(engine, "knobs", None)
-        self.limits = Limits(
-            self.settings.max_pixels,
-            default_max_frames(self.settings, step),
-            self.settings.max_steps,
-            self.settings.size_multiple or (rules.size_multiple if rules is not None else 16),
-            step,
-            call_params(engine),
-            rules.max_side if rules is not None else None,
-            rules.max_frames if rules is not None else None,
-            rules.limit_source if rules is not None else "",
-            knobs if isinstance(knobs, dict) else None,
-            dict(getattr(engine, "refused_args", None) or {}),
-        )
-        self.progress.install(engine)
+        models = {}
+        for name, view in engine_views(engine, self.settings.model_id).items():
+            limits, rules = model_limits(view, self.settings, default_max_frames)
+            self.progress.install(view)
+            models[name] = ServedModel(name, view, limits, rules)
+        first = next(iter(models.values()))
+        self.models, self.limits, self.rules = models, first.limits, first.rules
+        listeners = getattr(engine, "listeners", None)
+        if isinstance(listeners, list):  # a pool: its swaps on /metrics
+            listeners.append(self.metrics.observe_swap)
         self.loaded_at = int(time.time())
         self.engine = engine  # last: requests see a fully prepared engine
 
@@ -745,7 +787,7 @@ class ServerState(BaseServerState):
         from ..engine.media import encode_image, encode_video
 
         spec: JobSpec = job.payload
-        engine = self.engine
+        engine = self._route(spec.model, check=False).engine
         outputs = spec.params.num_outputs_per_prompt or 1
         check = getattr(engine, "check_request", None)
         if check is not None:
