@@ -177,3 +177,87 @@ def test_serve_refuses_a_bad_models_file_in_one_line(tmp_path, capsys):
     assert err.startswith("diffusion-offload: error: model 'a': ") and "\n" not in err
     assert main(["serve", "--ray", "--model", "a=x", "--model", "b=y"]) == 2
     assert "--ray serves one model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_thirty_interleaved_sdk_requests_from_three_clients_under_a_capacity(dirs, fake_device):
+    """Issue 35's check: wan2.2, wan2.2-i2v and flux behind one server, a device capacity
+    that fits the largest single model's run, 30 requests from 3 concurrent clients on the
+    official SDK: every output equals the model run alone, the peak stays under the
+    capacity, no weight goes device-to-host, and each swap is a change of model in the
+    order the jobs ran."""
+    import openai
+
+    from diffusion_offload.engine.media import encode_video
+
+    def params(kind: str, seed: int) -> SamplingParams:
+        frames = 5 if kind != "flux" else None
+        return SamplingParams(height=32, width=32, num_inference_steps=2, seed=seed, num_frames=frames)
+
+    def prompt(kind: str) -> Any:
+        return {"prompt": "a cat", "image": _picture()} if kind == "wan2.2-i2v" else "a cat"
+
+    want: dict[tuple[str, int], bytes | np.ndarray] = {}
+    peaks = []
+    for kind in KINDS:
+        with Omni(str(dirs[kind]), None, device="fakegpu", progress=False) as alone:
+            fa.reset_stats()
+            for seed in (1, 2):
+                out = alone.generate(prompt(kind), params(kind, seed))[0]
+                want[kind, seed] = (np.asarray(out.images[0]) if kind == "flux"
+                                    else encode_video(out.frames[0], 16, ".mp4"))
+            peaks.append(fa.stats()["peak_bytes"])
+    capacity = max(peaks)  # all-resident: the pool's offload needs less than any model alone
+    pool = ModelPool([ModelSpec(k, str(dirs[k])) for k in KINDS], device="fakegpu", progress=False)
+    ran: list[str] = []  # the order the jobs ran in
+    original = pool.generate
+
+    def recording(model: str, *args: Any, **kwargs: Any) -> Any:
+        ran.append(model)
+        return original(model, *args, **kwargs)
+
+    pool.generate = recording  # type: ignore[method-assign]
+    seen: list[str] = []
+    pool.listeners.append(lambda model, seconds: seen.append(model))
+    settings = ServerSettings(model_id=KINDS[0], model_ids=KINDS, api_key=KEY, max_steps=8, max_frames=9,
+                              max_queue=64)
+    server = _Server(pool, settings)
+    fa.reset_stats()
+    fa.set_capacity(capacity)
+    errors: list[BaseException] = []
+
+    def client_loop(offset: int) -> None:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        try:
+            for i in range(10):
+                kind = KINDS[(offset + i) % 3]
+                seed = 1 + (offset + i) % 2
+                extra = {"num_inference_steps": 2, "seed": seed}
+                if kind == "flux":
+                    r = client.images.generate(model=kind, prompt="a cat", size="32x32", extra_body=extra)
+                    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))))
+                    assert np.array_equal(got, want[kind, seed]), (kind, seed)
+                    continue
+                ref = {"input_reference": ("in.png", _png(_picture()), "image/png")} if kind != "wan2.2" else {}
+                job = client.videos.create(model=kind, prompt="a cat", size="32x32",
+                                           extra_body={**extra, "num_frames": 5}, **ref)
+                with server.client() as c:
+                    assert _wait_video(c, job.model_dump()) == want[kind, seed], (kind, seed)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert not errors, errors[0]
+        assert len(ran) == 30
+        assert fa.stats()["peak_bytes"] <= capacity
+        assert all(e.stats.d2h_bytes == 0 for e in pool.engines.values())
+        assert seen == [k for i, k in enumerate(ran) if i == 0 or ran[i - 1] != k]
+    finally:
+        fa.set_capacity(None)
+        server.stop()
+        pool.close()

@@ -553,8 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "--models FILE): OpenAI-style images API, async video jobs, /metrics.",
         epilog=SERVER_FIELDS, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    srv.add_argument("model", nargs="?", help="pipeline directory or hub id (one model; or give "
-                                              "--model / --models)")
+    srv.add_argument("model", nargs="?", help="pipeline directory or hub id of the one model served "
+                                              "(required unless --model or --models is given)")
     srv.add_argument("--model", dest="extra_models", action="append", default=[], metavar="[ID=]PATH",
                      help="a model to serve (repeatable): requests name it by ID (default: PATH as "
                           "given); several models share the device, one awake at a time "

@@ -15,7 +15,7 @@ from .engine_adapter import call_params, frame_step
 from .errors import APIError
 from .schemas import Limits
 
-__all__ = ["ServedModel", "engine_views", "model_limits", "route"]
+__all__ = ["ServedModel", "describe", "engine_views", "model_limits", "route"]
 
 
 @dataclass
@@ -97,3 +97,28 @@ def route(models: dict[str, ServedModel], model: str | None, check: bool = True)
         raise APIError(404, f"The model {model!r} does not exist; this server serves {served}.",
                        param="model", code="model_not_found")
     return found
+
+
+def describe(engine: Any, model_id: str, runs: int) -> list[dict[str, Any]]:
+    """Per served model, where its weights are now and what it did: a pool's
+    ``describe()``; for one engine its ``device_bytes``, ``host_bytes`` (pinned, pageable,
+    written), ``pinned_bytes``, ``pageable_bytes``, ``disk_bytes``, the jobs it ran
+    (``runs``: ``requests``) and ``swaps`` 0. ``[]`` before the load, or for an engine
+    that keeps no stats (a remote one)."""
+    pooled = getattr(engine, "describe", None)
+    if callable(pooled):
+        return pooled()
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return []
+    backend = getattr(engine, "backend", None)
+    return [{
+        "id": model_id,
+        "device_bytes": 0 if backend is None else backend.device_weight_bytes(),
+        "host_bytes": stats.pinned_bytes + stats.pageable_host_bytes + stats.cow_bytes,
+        "pinned_bytes": stats.pinned_bytes,
+        "pageable_bytes": stats.pageable_host_bytes,
+        "disk_bytes": stats.disk_backed_bytes,
+        "requests": runs,
+        "swaps": 0,
+    }]

@@ -33,7 +33,7 @@ from .jobs import (
 )
 from .metrics import ServerMetrics
 from .schemas import Limits
-from .served import ServedModel, engine_views, model_limits, route
+from .served import ServedModel, describe, engine_views, model_limits, route
 
 __all__ = [
     "DEFAULT_FPS", "SHUTDOWN_SETTLE", "BaseServerState", "JobSpec", "RequestRefused",
@@ -465,28 +465,8 @@ class BaseServerState:
         return {"status": self.health}
 
     def describe_models(self) -> list[dict[str, Any]]:
-        """Per served model, where its weights are now and what it did: a pool's
-        ``describe()``; for one engine its ``device_bytes``, ``host_bytes`` (pinned,
-        pageable, written), ``disk_bytes`` and the jobs it ran (``requests``; ``swaps``
-        0). ``[]`` before the load, or for engines that keep no stats (remote ones)."""
-        engine = self.engine
-        describe = getattr(engine, "describe", None)
-        if callable(describe):
-            return describe()
-        stats = getattr(engine, "stats", None)
-        if stats is None:
-            return []
-        backend = getattr(engine, "backend", None)
-        return [{
-            "id": self.settings.model_id,
-            "device_bytes": 0 if backend is None else backend.device_weight_bytes(),
-            "host_bytes": stats.pinned_bytes + stats.pageable_host_bytes + stats.cow_bytes,
-            "pinned_bytes": stats.pinned_bytes,
-            "pageable_bytes": stats.pageable_host_bytes,
-            "disk_bytes": stats.disk_backed_bytes,
-            "requests": self.metrics.runs,
-            "swaps": 0,
-        }]
+        """Per served model, where its weights are now and what it did (``served.describe``)."""
+        return describe(self.engine, self.settings.model_id, self.metrics.runs)
 
     async def render_metrics(self) -> bytes:
         """The Prometheus text exposition of ``GET /metrics``."""
