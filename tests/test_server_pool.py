@@ -261,3 +261,52 @@ def test_thirty_interleaved_sdk_requests_from_three_clients_under_a_capacity(dir
         fa.set_capacity(None)
         server.stop()
         pool.close()
+
+
+def test_release_on_demand_and_after_idle(pool_server, dirs, fake_device):
+    server, pool = pool_server
+    body = {"prompt": "a red car", "size": "32x32", "num_inference_steps": 2, "seed": 5, "model": "flux"}
+    with server.client() as c:
+        assert c.post("/v1/images/generations", json=body).status_code == 200
+        assert pool.engines["flux"].backend.device_weight_bytes() > 0
+        r = c.post("/v1/models/flux/release")
+        assert r.status_code == 200 and r.json()["released_bytes"] > 0
+        assert all(e.backend.device_weight_bytes() == 0 for e in pool.engines.values())
+        assert c.post("/v1/models/flux/release").json()["released_bytes"] == 0
+        assert c.post("/v1/models/sdxl/release").status_code == 404
+        assert httpx.post(f"{server.url}/v1/models/flux/release").status_code == 401  # the API key
+    # one model, built sleepable by --idle-release: evicted once idle, the next output equal
+    want = _image_alone(dirs["flux"], 5)
+    engine = Omni(str(dirs["flux"]), {"mode": "module", "components": ["dit", "text_encoder"]},
+                  device="fakegpu", progress=False, sleepable=True)
+    single = _Server(engine, ServerSettings(model_id="tiny", api_key=KEY, idle_release=0.2))
+    try:
+        with single.client() as c:
+            body["model"] = "tiny"
+            for _ in range(2):
+                r = c.post("/v1/images/generations", json=body)
+                got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+                assert np.array_equal(got, want)
+                for _ in range(100):  # the idle thread polls every 50 ms
+                    if engine.asleep:
+                        break
+                    threading.Event().wait(0.05)
+                assert engine.asleep and engine.backend.device_weight_bytes() == 0
+            assert engine.stats.d2h_bytes == 0
+    finally:
+        single.stop()
+        engine.close()
+    plain = Omni(str(dirs["flux"]), {"mode": "module", "components": ["dit"]}, device="fakegpu", progress=False)
+    server2 = _Server(plain, ServerSettings(model_id="tiny", api_key=KEY))
+    try:
+        with server2.client() as c:
+            r = c.post("/v1/models/tiny/release")
+            assert r.status_code == 409 and r.json()["error"]["code"] == "not_sleepable"
+    finally:
+        server2.stop()
+        plain.close()
+
+
+def test_idle_release_must_be_positive():
+    with pytest.raises(ValueError, match="--idle-release must be a number of seconds > 0"):
+        ServerSettings(model_id="x", idle_release=0)

@@ -559,6 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a model to serve (repeatable): requests name it by ID (default: PATH as "
                           "given); several models share the device, one awake at a time "
                           "(default: none)")
+    srv.add_argument("--idle-release", type=_float(0.001), metavar="SECONDS",
+                     help="after this long without a job, evict every model to the host (no "
+                          "device-to-host copy of an unmodified weight); the next request wakes it "
+                          "(default: never)")
     srv.add_argument("--models", dest="models_file", metavar="FILE",
                      help="models to serve, a TOML ([[models]] tables) or JSON list of entries with "
                           "id, path and optionally config, variant, dtype, loras (default: none)")

@@ -238,6 +238,8 @@ def serve(args: argparse.Namespace) -> int:
             shared = {k: v for k, v in extra.items() if k not in ("loras", "host_memory_budget")}
             return ModelPool(specs, host_memory_budget=extra.get("host_memory_budget"), device=device,
                              max_pinned_bytes=pinned, progress=False, **shared)
+        if settings.idle_release is not None and config is not None:
+            extra["sleepable"] = True  # idle release empties the device of the one model too
         return build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned,
                           device=device, dtype=dtype, progress=False, **extra)
 

@@ -250,6 +250,26 @@ def add_routes(app: FastAPI, state: BaseServerState) -> None:
             )
         return card
 
+    @app.post("/v1/models/{model_id:path}/release")
+    async def release_model(model_id: str) -> Any:
+        """Put the model to sleep now (its weights evicted to the host; the next request
+        wakes it): ``{"id", "released_bytes"}``; 409 for a model that keeps no host copy of
+        its resident weights (one model served without ``--idle-release``)."""
+        from .idle import NotSleepable, release
+
+        if model_id not in state.settings.model_ids:
+            served = ", ".join(repr(m) for m in state.settings.model_ids)
+            raise APIError(404, f"The model {model_id!r} does not exist; this server serves {served}.",
+                           param="model", code="model_not_found")
+        m = state.served(model_id)
+        several = len(state.settings.model_ids) > 1
+        try:
+            freed = await asyncio.to_thread(release, state.engine, m.id if several else None)
+        except NotSleepable as exc:
+            raise APIError(409, f"The model {m.id!r} cannot be released: {exc}.", param="model",
+                           code="not_sleepable") from None
+        return {"id": m.id, "object": "model.release", "released_bytes": freed}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text format."""

@@ -33,6 +33,8 @@ from .jobs import (
 )
 from .metrics import ServerMetrics
 from .schemas import Limits
+from .addresses import check_api_key, normalize_host, normalize_origin
+from .idle import IdleRelease
 from .served import ServedModel, describe, engine_views, model_limits, route
 
 __all__ = [
@@ -123,6 +125,8 @@ class ServerSettings:
         model_id: the model as given on the command line (the id in ``/v1/models``); with
             several models, the first one's id.
         model_ids: every served model's id, in order (default: ``(model_id,)``).
+        idle_release: seconds without a job after which every model is put to sleep
+            (``idle.IdleRelease``); None: never.
         api_key: bearer token required on ``/v1/`` routes, or None.
         max_queue: most jobs waiting (the running one not counted); more answer 429.
         max_pixels: largest ``width * height`` of a request (default 2 MP: OpenAI's
@@ -166,9 +170,14 @@ class ServerSettings:
     timeout_headers: float = 10.0
     timeout_body: float = 30.0
     model_ids: tuple[str, ...] = ()
+    idle_release: float | None = None
 
     def __post_init__(self) -> None:
         self.model_ids = tuple(self.model_ids) or (self.model_id,)
+        value = self.idle_release
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"--idle-release must be a number of seconds > 0, got {value!r}")
         for name, minimum in (
             ("max_queue", 1),
             ("max_pixels", 1),
@@ -216,59 +225,6 @@ class ServerSettings:
             values[name] = tuple(p.strip() for p in text.split(",") if p.strip())
         ids = tuple(model_ids) or (str(args.model),)
         return cls(model_id=ids[0], model_ids=ids, **values)
-
-
-def check_api_key(key: str) -> None:
-    """An API key must be printable ASCII without spaces (what every HTTP client sends
-    byte for byte in ``Authorization: Bearer KEY``).
-
-    Raises:
-        ValueError: empty, or a character outside ``!`` .. ``~`` (named with its position).
-    """
-    if not key:
-        raise ValueError("--api-key must not be empty")
-    for i, ch in enumerate(key):
-        if not "!" <= ch <= "~":
-            raise ValueError(
-                f"--api-key: character {i + 1} ({ch!r}) cannot be sent in an HTTP header, so the "
-                "key could never match; use printable ASCII without spaces (e.g. from "
-                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-            )
-
-
-def normalize_host(host: str, flag: str = "--host") -> str:
-    """A host name as compared with the ``Host`` header: lower case, no port, IPv6
-    without brackets.
-
-    Raises:
-        ValueError: empty or containing ``/`` or spaces.
-    """
-    text = host.strip().lower()
-    if text.startswith("[") and "]" in text:
-        text = text[1 : text.index("]")]
-    elif text.count(":") == 1:
-        text = text.split(":", 1)[0]
-    if not text or any(c in text for c in "/ \t@"):
-        raise ValueError(f"{flag}: {host!r} is not a host name (e.g. myhost.lan or 10.0.0.5)")
-    return text
-
-
-def normalize_origin(origin: str) -> str:
-    """``scheme://host[:port]`` in lower case, without a trailing slash.
-
-    Raises:
-        ValueError: not an http(s) origin (named with the flag ``--allowed-origins``).
-    """
-    from urllib.parse import urlsplit
-
-    text = origin.strip().rstrip("/").lower()
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
-        raise ValueError(
-            f"--allowed-origins: {origin!r} is not an origin; write scheme://host[:port], "
-            "e.g. http://localhost:3000"
-        )
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 @dataclass
@@ -607,7 +563,14 @@ class ServerState(BaseServerState):
                 model_ids=settings.model_ids,
             ),
         )
-        self.jobs.on_finish = self.metrics.observe_job
+        self.last_activity = time.monotonic()  # the last job's end (idle release)
+
+        def finished(job: Job) -> None:
+            self.last_activity = time.monotonic()
+            self.metrics.observe_job(job)
+
+        self.jobs.on_finish = finished
+        self.idle: IdleRelease | None = None
         self._loader: threading.Thread | None = None
         if engine is not None:
             self._publish(engine)
@@ -656,6 +619,12 @@ class ServerState(BaseServerState):
                 target=self._load, name="diffusion-offload-loader", daemon=True
             )
             self._loader.start()
+        if self.settings.idle_release is not None and self.idle is None:
+            jobs = self.jobs
+            self.idle = IdleRelease(self.settings.idle_release, lambda: self.engine,
+                                    lambda: jobs.queue_depth > 0 or jobs.running_count > 0,
+                                    lambda: self.last_activity)
+            self.idle.start()
 
     def begin_shutdown(self) -> None:
         """Stop accepting work; the running job gets ``shutdown_grace`` seconds."""
@@ -665,6 +634,8 @@ class ServerState(BaseServerState):
     def stop(self) -> None:
         """Shut down (blocking up to the grace), then close the engine if this state built it."""
         self.shutting_down = True
+        if self.idle is not None:
+            self.idle.stop()
         idle = self.jobs.shutdown(self.settings.shutdown_grace, settle=SHUTDOWN_SETTLE)
         if self.owns_engine and idle and self.engine is not None and hasattr(self.engine, "close"):
             try:
