@@ -276,7 +276,7 @@ class ComponentWeights:
         device = mover.device
         waiting: dict[int, tuple[Arena, int]] = {}
         for slot in self.slots:
-            if slot.arena is not None and slot.evictable and not slot.on_device(device):
+            if slot.arena is not None and not slot.on_device(device):  # evictable, or a kept host copy
                 arena, n = waiting.get(id(slot.arena), (slot.arena, 0))
                 waiting[id(arena)] = (arena, n + 1)
         moved = 0
@@ -285,12 +285,12 @@ class ComponentWeights:
             # an arena whose weights had their ``.data`` replaced while resident (layerwise
             # casting does it on every forward) loads tensor by tensor from then on: the
             # replaced ones' old bytes would otherwise stay allocated until the eviction
-            if n == len(arena.slots) and all(s.evictable and not s.rebinds for s in arena.slots):
+            if n == len(arena.slots) and all(not s.rebinds for s in arena.slots):
                 moved += mover.load_arena(arena, txn)
                 arenas.append(arena)
         singles: list[Member] = []
         for slot in self.slots:
-            if slot.evictable:
+            if slot.evictable or (slot.arena is not None and slot.host is not None):
                 n = mover.load(slot, txn)
                 if n:
                     singles.extend(slot.members)

@@ -407,9 +407,9 @@ class Mover:
             else:
                 member = Member(obj, p.storage_offset(), p.stride())
                 slots.append(TensorSlot([member], None, False, _nbytes(p)))
-        pack = pack and evictable
+        pack = pack and (evictable or self.keep_host)  # kept host copies pack too (a wake: one copy an arena)
         for objs_of_storage in host_groups.values():
-            pin = (evictable and not pack) or (self.keep_host and not evictable)
+            pin = (evictable or self.keep_host) and not pack
             slots.extend(self._adopt_host(objs_of_storage, txn, pin=pin))
         for slot in slots:
             slot.evictable = evictable
