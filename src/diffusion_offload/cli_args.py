@@ -563,6 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after this long without a job, evict every model to the host (no "
                           "device-to-host copy of an unmodified weight); the next request wakes it "
                           "(default: never)")
+    srv.add_argument("--max-reorder", type=_int("--max-reorder", 0), metavar="K",
+                     help="with several models, a waiting job of the model that ran last may run "
+                          "before older ones (a swap saved), passing each over at most K times; 0: "
+                          "first in, first out (default: 4)")
     srv.add_argument("--models", dest="models_file", metavar="FILE",
                      help="models to serve, a TOML ([[models]] tables) or JSON list of entries with "
                           "id, path and optionally config, variant, dtype, loras (default: none)")

@@ -69,6 +69,8 @@ class Job:
             names a refused request field).
         result: the runner's return value when completed.
         created_at, started_at, completed_at: Unix times (seconds).
+        passed_over: times a later job of another group ran before it while it waited
+            (``JobManager``'s ``max_reorder`` bounds it).
         replica: which replica ran it (``generator-0``...) under Ray Serve; None in a
             single process.
     """
@@ -85,6 +87,7 @@ class Job:
     started_at: float | None = None
     completed_at: float | None = None
     replica: str | None = None
+    passed_over: int = 0
     _callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
     _fired: bool = field(default=False, repr=False)
 
@@ -132,6 +135,11 @@ class JobManager:
         max_stored: most kept jobs; the oldest finished ones are dropped first.
         workers: worker threads, so at most this many jobs run at once (default 1: one
             pipeline, one job at a time).
+        group_of: ``group_of(job)`` -> its group (a served model's id); with
+            ``max_reorder``, a waiting job of the group that started last may run before
+            older ones (a model swap saved).
+        max_reorder: most times a waiting job may be passed over that way (0: first in,
+            first out). A job passed over ``max_reorder`` times runs next.
     """
 
     def __init__(
@@ -144,9 +152,16 @@ class JobManager:
         job_ttl: float | None = None,
         max_stored: int | None = None,
         workers: int = 1,
+        group_of: Callable[[Job], Any] | None = None,
+        max_reorder: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if isinstance(max_reorder, bool) or not isinstance(max_reorder, int) or max_reorder < 0:
+            raise ValueError(f"max_reorder must be an integer >= 0, got {max_reorder!r}")
+        self.group_of = group_of
+        self.max_reorder = max_reorder
+        self._last_group: Any = None
         self.runner = runner
         self.max_queue = max_queue
         self.on_finish = on_finish
@@ -317,6 +332,27 @@ class JobManager:
                 logger.exception("job %s: releasing its inputs failed", job.id)
         job._fire()
 
+    def _next(self) -> Job:
+        """Take the job to run next (caller holds the lock, the queue is not empty): the
+        oldest, unless a job of the group that started last waits behind it and no job
+        ahead of that one was passed over ``max_reorder`` times already; the jobs it
+        passes count one more pass each."""
+        waiting = self._waiting
+        if self.group_of is not None and self.max_reorder:
+            last = self._last_group
+            for k, job in enumerate(waiting):
+                if job.passed_over >= self.max_reorder:
+                    break  # it runs next: take the oldest (it or one before it)
+                if self.group_of(job) == last:
+                    for ahead in list(waiting)[:k]:
+                        ahead.passed_over += 1
+                    del waiting[k]
+                    return job
+        job = waiting.popleft()
+        if self.group_of is not None:
+            self._last_group = self.group_of(job)
+        return job
+
     def _work(self) -> None:
         while True:
             with self._cond:
@@ -324,7 +360,7 @@ class JobManager:
                     self._cond.wait()
                 if not self._waiting:
                     return
-                job = self._waiting.popleft()
+                job = self._next()
                 job.status = IN_PROGRESS
                 job.started_at = time.time()
                 self._running.append(job)

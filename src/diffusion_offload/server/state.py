@@ -127,6 +127,8 @@ class ServerSettings:
         model_ids: every served model's id, in order (default: ``(model_id,)``).
         idle_release: seconds without a job after which every model is put to sleep
             (``idle.IdleRelease``); None: never.
+        max_reorder: most times a waiting job may be passed over by a later job of the
+            model that ran last (saving a swap; ``JobManager``); 0: first in, first out.
         api_key: bearer token required on ``/v1/`` routes, or None.
         max_queue: most jobs waiting (the running one not counted); more answer 429.
         max_pixels: largest ``width * height`` of a request (default 2 MP: OpenAI's
@@ -171,6 +173,7 @@ class ServerSettings:
     timeout_body: float = 30.0
     model_ids: tuple[str, ...] = ()
     idle_release: float | None = None
+    max_reorder: int = 4
 
     def __post_init__(self) -> None:
         self.model_ids = tuple(self.model_ids) or (self.model_id,)
@@ -180,6 +183,7 @@ class ServerSettings:
             raise ValueError(f"--idle-release must be a number of seconds > 0, got {value!r}")
         for name, minimum in (
             ("max_queue", 1),
+            ("max_reorder", 0),
             ("max_pixels", 1),
             ("max_frames", 1),
             ("max_steps", 1),
@@ -552,6 +556,8 @@ class ServerState(BaseServerState):
             error_message=job_error_message,
             job_ttl=settings.job_ttl,
             max_stored=settings.max_stored_jobs,
+            group_of=lambda job: getattr(job.payload, "model", None),
+            max_reorder=settings.max_reorder,
         )
         super().__init__(
             settings,
