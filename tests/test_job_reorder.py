@@ -55,7 +55,7 @@ def test_no_reordering_is_fifo():
     assert order == ["a", "b", "a", "b"] and set(passed.values()) == {0}
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.lists(st.sampled_from("abc"), min_size=2, max_size=12), st.integers(0, 4))
 def test_no_job_is_passed_over_more_than_the_bound(models, bound):
     order, passed = _run(models, bound)
