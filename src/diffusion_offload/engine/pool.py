@@ -115,8 +115,7 @@ class ModelPool:
     ) -> None:
         if not specs:
             raise ValueError("a model pool needs at least one model")
-        ids = [s.id for s in specs]
-        dup = sorted({i for i in ids if ids.count(i) > 1})
+        dup = repeated_ids(specs)
         if dup:
             raise ValueError(f"model ids must be unique; repeated: {dup}")
         self._lock = threading.RLock()
@@ -294,6 +293,12 @@ def _build_omni(spec: ModelSpec, budget: int | None, kwargs: Mapping[str, Any]) 
         options["host_memory_budget"] = budget
     return Omni(spec.path, spec.config if spec.config is not None else DEFAULT_CONFIG,
                 variant=spec.variant, loras=spec.loras, dtype=spec.dtype, sleepable=True, **options)
+
+
+def repeated_ids(specs: Sequence[ModelSpec]) -> list[str]:
+    """The ids given to more than one of ``specs``, sorted (``[]``: all unique)."""
+    ids = [s.id for s in specs]
+    return sorted({i for i in ids if ids.count(i) > 1})
 
 
 def _sleep(engine: Any) -> int:

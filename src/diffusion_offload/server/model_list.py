@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine.pool import ModelSpec
+from ..engine.pool import ModelSpec, repeated_ids
 
 __all__ = ["ENTRY_KEYS", "model_specs", "read_models_file"]
 
@@ -112,8 +112,7 @@ def model_specs(positional: str | None, flags: Sequence[str], models_file: str |
         specs.extend(read_models_file(models_file, defaults))
     if not specs:
         raise ValueError("serve needs a model: MODEL, --model [ID=]PATH (repeatable) or --models FILE")
-    ids = [s.id for s in specs]
-    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    repeated = repeated_ids(specs)
     if repeated:
         raise ValueError(f"model ids must be unique; repeated: {', '.join(repeated)} (name them with --model ID=PATH)")
     return specs
