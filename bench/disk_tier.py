@@ -163,7 +163,7 @@ def _one(directory: Path, mode: str) -> dict[str, Any]:
     s = engine.backend.stats
     gc.collect()
     rows["pinned"] = {  # issue 34 item 4: every pinned byte counted, within the budget
-        "pinned": s.pinned_bytes, "overhead": s.pinned_overhead_bytes, "ring": disk.ring.charged,
+        "pinned": s.pinned_total_bytes, "overhead": s.pinned_overhead_bytes, "ring": disk.ring.charged,
         "shared": s.shared_pinned_bytes, "pageable": s.pageable_host_bytes,
         "reserved": engine.backend.tier_plan.overhead_bytes,
         "alive": torch.fakegpu.pinned_host_bytes(),  # the fake device's own count, as CUDA holds it
@@ -205,7 +205,7 @@ def main() -> None:
                 print(f"\nlayer, {state}: request wall {r['wall_s']:.3f} s vs 1.1 x max(compute "
                       f"{row['compute_s']:.3f}, read {r['plain_read_s']:.3f}) = {bound:.3f} s: "
                       f"{'met' if r['wall_s'] <= bound else 'not met'}")
-    print("\n| mode | budget | pinned_bytes | of it overhead | ring | check weights | other buffers, "
+    print("\n| mode | budget | pinned_total_bytes | of it overhead | ring | check weights | other buffers, "
           "padding | planned room for them | pinned alive (fake device) | pinned + pageable within budget |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for mode, budget, p in pinned_rows:

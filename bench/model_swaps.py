@@ -61,7 +61,7 @@ def _one(paths: dict[str, str], budget_share: float | None) -> dict[str, Any]:
     budget = None
     if budget_share is not None:
         with ModelPool(specs, device="fakegpu", progress=False) as free:
-            held = sum(e.stats.pinned_bytes + e.stats.pageable_host_bytes for e in free.engines.values())
+            held = sum(e.stats.pinned_total_bytes + e.stats.pageable_host_bytes for e in free.engines.values())
         budget = int(budget_share * held)
     with ModelPool(specs, device="fakegpu", progress=False, host_memory_budget=budget) as pool:
         for kind in KINDS:  # warm: every model has run once
@@ -88,7 +88,7 @@ def _one(paths: dict[str, str], budget_share: float | None) -> dict[str, Any]:
                 "device_ops": s["device_ops"], "host_waits": s["host_waits"], "copies": s["transfers"],
                 "peak_bytes": s["peak_bytes"],
             }
-        rows["host_bytes"] = sum(e.stats.pinned_bytes + e.stats.pageable_host_bytes + e.stats.cow_bytes
+        rows["host_bytes"] = sum(e.stats.pinned_total_bytes + e.stats.pageable_host_bytes + e.stats.cow_bytes
                                  for e in pool.engines.values())
         rows["disk_bytes"] = sum(e.stats.disk_backed_bytes for e in pool.engines.values())
     return rows

@@ -143,7 +143,7 @@ def test_cow_bytes_start_from_zero_at_each_enable(wan, fake_device):
     first = backend.tier_plan
     staging = s.staging_bytes
     assert staging > 0
-    backend.tier_plan.budget = s.pinned_bytes + s.pageable_host_bytes + backend.mover.disk.ring.reserved + 2 * w_bytes
+    backend.tier_plan.budget = s.pinned_total_bytes + s.pageable_host_bytes + backend.mover.disk.ring.reserved + 2 * w_bytes
 
     def bump(name: str, pending: list[int]):
         def hook(block, args):
@@ -188,7 +188,7 @@ def test_cow_bytes_start_from_zero_at_each_enable(wan, fake_device):
         # a write of the new enable counts from 0
         v = pipe.transformer.blocks[2].ffn.net[2].weight
         assert backend.mover.disk.wants([v])
-        backend.tier_plan.budget = s.pinned_bytes + s.pageable_host_bytes + backend.mover.disk.ring.reserved + w_bytes
+        backend.tier_plan.budget = s.pinned_total_bytes + s.pageable_host_bytes + backend.mover.disk.ring.reserved + w_bytes
         handle = pipe.transformer.blocks[0].register_forward_pre_hook(bump("blocks.2.ffn.net.2.weight", [1]))
         try:
             _call(pipe)

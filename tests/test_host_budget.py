@@ -272,7 +272,7 @@ def test_a_write_to_a_disk_backed_weight_is_kept_and_the_file_unchanged(small_wa
         # the plan fills the budget with host copies; leave room for one written weight
         s = backend.stats
         backend.tier_plan.budget = (
-            s.pinned_bytes + s.pageable_host_bytes + s.staging_bytes + w.numel() * w.element_size()
+            s.pinned_total_bytes + s.pageable_host_bytes + s.staging_bytes + w.numel() * w.element_size()
         )
 
         def writer(pending: list[int]):
@@ -294,7 +294,7 @@ def test_a_write_to_a_disk_backed_weight_is_kept_and_the_file_unchanged(small_wa
             h.remove()
         assert torch.equal(_call(pipe), _call(ref))  # kept: written back, loaded again
         assert backend.stats.cow_bytes == w.numel() * w.element_size()
-        assert s.pinned_bytes + s.pageable_host_bytes + s.staging_bytes + s.cow_bytes <= backend.tier_plan.budget
+        assert s.pinned_total_bytes + s.pageable_host_bytes + s.staging_bytes + s.cow_bytes <= backend.tier_plan.budget
         assert w.device.type == "cpu"  # evicted after the request
         w.data.add_(0.25)  # a host write into its (already private) page
         ref.transformer.blocks[3].ffn.net[2].weight.data.add_(0.25)
@@ -319,7 +319,7 @@ def test_a_write_without_room_in_the_budget_is_refused_and_kept(small_wan, fake_
         def write(module, args):
             if not seen:
                 # fill the budget: what is in RAM now leaves no room for one written weight
-                plan.budget = s.pinned_bytes + s.pageable_host_bytes + backend.mover.disk.ring.reserved
+                plan.budget = s.pinned_total_bytes + s.pageable_host_bytes + backend.mover.disk.ring.reserved
                 with torch.no_grad():
                     w.mul_(2.0)
                 seen.append(w.detach().cpu().clone())
@@ -419,7 +419,7 @@ def test_weights_several_times_the_budget_stay_within_it(mode, big_wan, fake_dev
     assert used.disk_backed_bytes == backend.tier_plan.disk_bytes
 
     # every pinned byte (host copies, the ring, the check buffers) within the budget
-    assert used.pinned_bytes + used.pageable_host_bytes <= budget
+    assert used.pinned_total_bytes + used.pageable_host_bytes <= budget
     # one DiT forward: module mode loads the DiT once, layer mode each block once (its
     # trunk stays on the device)
     assert set(runs.values()) == {1} and len(runs) == len(disk_of)

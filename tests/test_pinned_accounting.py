@@ -1,10 +1,12 @@
-"""Every pinned byte counted (issue 34 item 4): ``stats.pinned_bytes`` equals the pinned
+"""Every pinned byte counted (issue 34 item 4): ``stats.pinned_total_bytes`` (the pinned
+host copies, ``pinned_bytes``, plus ``pinned_overhead_bytes``) equals the pinned
 host memory the fake device sees alive (``torch.fakegpu.pinned_host_bytes``: each
 registration's bytes, each caching-allocator block rounded up to a power of two, the
 pinned result of every non-blocking copy to the host), in module mode, layer mode and
 under a host budget (staging ring, disk tier fingerprints), with in-place pinning and
 without it (every buffer then comes from ``pin_memory()`` and its rounding is counted);
-and it stays within the host budget."""
+and it stays within the host budget, and within the host memory available when that is
+less than the copies (shared case weights/12)."""
 
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def test_pinned_bytes_are_every_pinned_byte_alive(mode, budget, in_place, saved,
             _request(pipe)
         s = backend.stats
         alive = _pinned_outside_weights() - before
-        assert alive == s.pinned_bytes - s.shared_pinned_bytes
+        assert alive == s.pinned_total_bytes - s.shared_pinned_bytes
         assert s.shared_pinned_bytes == checksum.pinned_weights_bytes() > 0
         # the buffers: the shared weights, the ring under a budget, the sums a module-mode
         # load records (layer mode compares with sums kept on the host)
@@ -90,7 +92,7 @@ def test_pinned_bytes_are_every_pinned_byte_alive(mode, budget, in_place, saved,
             # registered: the ring's bytes; a pin_memory() block each: a power of two
             assert ring == 2 * (chunk if in_place else hostmem.caching_host_bytes(chunk))
             if in_place:  # the plan's room for the ring and the check buffers holds
-                assert s.pinned_bytes + s.pageable_host_bytes <= limit
+                assert s.pinned_total_bytes + s.pageable_host_bytes <= limit
     finally:
         backend.disable()
 
@@ -135,7 +137,7 @@ def test_disable_takes_the_host_copies_out_of_the_gauges(mode, budget, saved, fa
     s = backend.stats
 
     def host() -> tuple[int, int, int]:
-        return s.pinned_bytes - s.pinned_overhead_bytes, s.pageable_host_bytes, s.disk_backed_bytes
+        return s.pinned_bytes, s.pageable_host_bytes, s.disk_backed_bytes
 
     backend.enable(pipe)
     first = host()
@@ -153,3 +155,38 @@ def test_disable_takes_the_host_copies_out_of_the_gauges(mode, budget, saved, fa
     finally:
         backend.disable()
     assert host() == (0, 0, 0)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["registered", "pin_memory"])
+def test_pinning_stays_within_the_available_host_memory(in_place, saved, fake_device, monkeypatch):
+    """The host reports half the offloaded bytes available (shared case weights/12): every
+    pinned byte (copies, padding, rounding, the sums and weights of the checks) stays within
+    it, the host copies are still exactly the offloaded bytes (the rest pageable, one copy
+    each), and a request gives the all-resident output."""
+    pipe = _load(saved)
+    want = _request(pipe.to(fake_device))
+    pipe = _load(saved)
+    weights = _offloaded_bytes(pipe)
+    half = weights // 2
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: half)
+    if not in_place:
+        monkeypatch.setattr(type(torch.fakegpu), "host_register", staticmethod(lambda ptr, n: False))
+    backend = ModelLevelOffloadBackend({"mode": "module", "components": SELECT}, fake_device)
+    shared_before = checksum.pinned_weights_bytes()  # pinned before: outside what is available
+    with pytest.warns(RuntimeWarning, match=f"pinning at most .* the host has {half} bytes available"):
+        backend.enable(pipe)
+    try:
+        s = backend.stats
+        assert s.pinned_bytes + s.pageable_host_bytes == weights
+        assert s.pinned_bytes > 0 and s.pageable_host_bytes > 0
+        # past the pinning room the rest of a component is one pageable arena, not one
+        # arena per tensor (each with write-check sums of its own: 4x its bytes, pinned)
+        for weights_of in backend.components.values():
+            arenas = {id(slot.arena): slot.arena for slot in weights_of.slots if slot.arena is not None}
+            assert sum(not a.pinned for a in arenas.values()) <= 1
+        assert torch.equal(_request(pipe), want)
+        gc.collect()
+        own = s.pinned_total_bytes - s.shared_pinned_bytes
+        assert own + checksum.pinned_weights_bytes() - shared_before <= half
+    finally:
+        backend.disable()

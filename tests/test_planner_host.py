@@ -87,7 +87,7 @@ def test_the_planned_split_is_what_the_backend_holds_and_reads(name, wan_dir, fa
     try:
         s = engine.backend.stats
         assert s.disk_backed_bytes > 0
-        copies = s.pinned_bytes - s.pinned_overhead_bytes  # the planner's column: host copies
+        copies = s.pinned_bytes  # the planner's column: host copies
         assert (copies, s.pageable_host_bytes, s.disk_backed_bytes, s.staging_bytes) == (
             row.pinned_bytes, row.pageable_bytes, row.disk_bytes, row.staging_bytes)
         _call(engine.pipeline)  # the reader learns the order

@@ -154,14 +154,14 @@ def test_a_pool_shares_one_host_budget(dirs, fake_device):
     host copies together stay within it, the rest on disk."""
     specs = [ModelSpec(kind, str(dirs[kind])) for kind in ("wan2.2", "flux")]
     with ModelPool(specs, device="fakegpu", progress=False) as free:
-        held = sum(e.stats.pinned_bytes + e.stats.pageable_host_bytes for e in free.engines.values())
+        held = sum(e.stats.pinned_total_bytes + e.stats.pageable_host_bytes for e in free.engines.values())
     budget = held // 2
     with ModelPool(specs, device="fakegpu", progress=False, host_memory_budget=budget) as pool:
         parts = [e.host_memory_budget for e in pool.engines.values()]
         assert sum(parts) == budget and all(p > 0 for p in parts)
         for kind in ("wan2.2", "flux", "wan2.2"):
             pool.generate(kind, *_request(kind, 1))
-        used = sum(e.stats.pinned_bytes + e.stats.pageable_host_bytes + e.stats.cow_bytes
+        used = sum(e.stats.pinned_total_bytes + e.stats.pageable_host_bytes + e.stats.cow_bytes
                    for e in pool.engines.values())
         assert used <= budget
         assert all(m["disk_bytes"] > 0 for m in pool.describe())

@@ -365,7 +365,7 @@ class DiskTier:
         if id(slot) in self._written:
             return
         s = self.stats
-        ram_in_use = s.pinned_bytes + s.pageable_host_bytes + s.cow_bytes + self.ring.reserved
+        ram_in_use = s.pinned_total_bytes + s.pageable_host_bytes + s.cow_bytes + self.ring.reserved
         budget = self.plan.budget
         if ram_in_use + slot.nbytes > budget:
             raise HostBudgetError(

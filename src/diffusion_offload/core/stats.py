@@ -50,10 +50,12 @@ class TransferStats:
             wrong guess, or a block a cache such as First Block Cache skipped: at most one
             per cached forward).
         wasted_bytes: the H2D bytes of those blocks (part of ``h2d_bytes``).
-        pinned_bytes: every byte of pinned (page-locked) host memory held for this backend
-            now (a gauge): the host copies in pinned memory, plus ``pinned_overhead_bytes``.
-        pinned_overhead_bytes: of ``pinned_bytes``, what is not a host copy's own bytes
-            (a gauge): the staging ring, the write check's host buffers (the sums read back
+        pinned_bytes: bytes of host copies in pinned (page-locked) memory now (a gauge;
+            with ``pageable_host_bytes`` and ``disk_backed_bytes``, where the host copies
+            are: SPEC section 3). Every pinned byte held for this backend is
+            ``pinned_total_bytes``.
+        pinned_overhead_bytes: the pinned host memory held for this backend beyond the
+            host copies' own bytes (a gauge): the staging ring, the write check's host buffers (the sums read back
             at a load, the disk tier's fingerprints, the checksum weights), the alignment
             padding of pinned arenas, and the caching host allocator's rounding where a
             buffer had to come from ``pin_memory()`` (``hostmem.caching_host_bytes``).
@@ -108,10 +110,16 @@ class TransferStats:
 
     def charge_pinned(self, nbytes: int) -> None:
         """Count ``nbytes`` more pinned host memory that is not a host copy's own bytes
-        (negative: that much freed), in ``pinned_bytes`` and ``pinned_overhead_bytes``
-        (``hostmem.host_buffer``'s ``charge``)."""
-        self.pinned_bytes += nbytes
+        (negative: that much freed) in ``pinned_overhead_bytes`` (``hostmem.host_buffer``'s
+        ``charge``)."""
         self.pinned_overhead_bytes += nbytes
+
+    @property
+    def pinned_total_bytes(self) -> int:
+        """Every byte of pinned host memory held for this backend now: the pinned host
+        copies (``pinned_bytes``) plus ``pinned_overhead_bytes`` (issue 34 item 4: what a
+        host's page-locked memory, and ``max_pinned_bytes``, must hold)."""
+        return self.pinned_bytes + self.pinned_overhead_bytes
 
     def snapshot(self) -> "TransferStats":
         """A copy of the current values."""
@@ -129,5 +137,7 @@ class TransferStats:
         )
 
     def as_dict(self) -> dict[str, float]:
-        """The counters as a plain dict (JSON-ready)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The counters as a plain dict (JSON-ready), with ``pinned_total_bytes``."""
+        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["pinned_total_bytes"] = self.pinned_total_bytes
+        return out

@@ -319,10 +319,10 @@ class Mover:
     Args:
         platform: the device's platform (synchronize, pinning, blocking D2H).
         pin_memory: pin host copies when the platform supports it.
-        max_pinned_bytes: host copies are pinned while ``stats.pinned_bytes`` (with their
-            arenas' padding and rounding) stays within this many bytes; the rest stay
-            pageable; None: no cap. The buffers a load makes later (the staging ring, the
-            write check's sums) are counted in ``pinned_bytes`` too, not capped.
+        max_pinned_bytes: host copies are pinned while ``stats.pinned_total_bytes`` (every
+            pinned byte so far) stays within this many bytes, the rest pageable; None: no
+            cap. Buffers later loads make are counted, not capped (``enable`` leaves room
+            for them: ``tiers.check_bytes``).
         arena_bytes: the largest arena ``pack`` makes (``arena.ARENA_BYTES``, 1 GiB).
 
     Attributes:
@@ -352,7 +352,7 @@ class Mover:
 
     def _may_pin(self, nbytes: int) -> bool:
         cap = self.max_pinned_bytes
-        return self.pin and (cap is None or self.stats.pinned_bytes + nbytes <= cap)
+        return self.pin and (cap is None or self.stats.pinned_total_bytes + nbytes <= cap)
 
     def _warn_pin(self, why: str) -> None:
         if not self._pin_warned:
@@ -475,10 +475,12 @@ class Mover:
             # left for pinning, so host copies are pinned up to the cap
             limit = self.arena_bytes
             cap = self.max_pinned_bytes
-            room = None if cap is None else cap - self.stats.pinned_bytes
+            room = None if cap is None else cap - self.stats.pinned_total_bytes
             if self.pin and room is not None and 0 < room < limit:
                 # pinned by copy, an arena takes a power of two: the largest within the room
-                limit = 1 << (room.bit_length() - 1) if self.pins_by_copy else room
+                fits = 1 << (room.bit_length() - 1) if self.pins_by_copy else room
+                # not even the next slot fits: this arena and the rest are pageable, whole
+                limit = fits if fits >= todo[0].nbytes else limit
             index, offsets, nbytes = layout([s.nbytes for s in todo], limit)[0]
             slots_of_arena = [todo[i] for i in index]
             todo = todo[index[-1] + 1 :]

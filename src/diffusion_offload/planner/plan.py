@@ -54,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.config import DiffusionOffloadConfig
 from ..core.policy import BlockSpec, keep_blocks
 from ..units import human_bytes
 from .host import DEFAULT_DISK_BANDWIDTH, host_columns
@@ -70,6 +71,7 @@ __all__ = [
     "format_plan",
     "plan_model",
     "plan_offload",
+    "predict_peak",
 ]
 
 DEFAULT_H2D_BANDWIDTH = 25e9
@@ -391,6 +393,52 @@ def _layer_rows(pm: PlanModel, report: StageReport, device_memory: int, bandwidt
         rows.append(best)
     rows.append(_row(pm, report, budgeted, device_memory, bandwidth, kind, host))
     return rows
+
+
+def predict_peak(
+    pm: PlanModel,
+    request: Request,
+    config: DiffusionOffloadConfig | None,
+    device_memory_budget: int | None = None,
+    *,
+    device_kind: str = "cuda",
+    report: StageReport | None = None,
+) -> int:
+    """The predicted device peak (weights plus activations, bytes) of one request of shape
+    ``request`` under one engine config (None: all resident), with the engine's
+    ``device_memory_budget`` (bytes, or None: strict). The same walk as the rows of
+    :func:`plan_model` (``report``: a :func:`~.stages.measure_request` of ``request``
+    already made, else one is made); the tiny pipelines hold it within
+    ``[measured, 1.10 x measured]`` (``tests/test_planner_tiny.py``).
+
+    Raises:
+        ValueError: a config the planner has no rule for (the legacy switch, layer mode on
+            components without blocks), or no activation model for this pipeline (from
+            ``measure_request``).
+    """
+    if report is None:
+        report = measure_request(pm, request, device_kind)
+    if config is None:
+        cand = _Candidate("all resident", {}, "resident")
+    else:
+        mode = config.mode
+        sel = _selectable(pm, config.components)
+        if mode == "module":
+            kind = "budget" if device_memory_budget is not None else "module"
+            if kind == "budget" and not any(pm.components[n].role == "dit" for n in sel):
+                kind = "module"  # the budget only holds DiTs back: strict otherwise
+            cand = _Candidate("engine", {}, kind, sel, budget=device_memory_budget or 0)
+        elif mode == "layer":
+            if any(not pm.components[n].blocks for n in sel):
+                raise ValueError("layer mode on components without blocks: no planner rule")
+            options = dict(config.layer_options).get("dit")
+            k = (options.resident_layers or 0) if options is not None else 0
+            cand = _Candidate("engine", {}, "layer", sel, k, budget=device_memory_budget or 0)
+        else:
+            raise ValueError(f"mode={mode!r}: the planner has rules for 'module' and 'layer' only")
+        if not config.explicit:  # the legacy switch also moves image encoders: no rule here
+            raise ValueError("the legacy enable_cpu_offload switch: no planner rule")
+    return _walk(pm, report, cand, device_kind)[1]
 
 
 def fastest_fitting(rows: Sequence[PlanRow]) -> PlanRow | None:

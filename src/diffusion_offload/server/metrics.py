@@ -28,7 +28,7 @@ Exposed at ``GET /metrics`` (text format):
   ``pinned``, ``pageable``, ``disk``; read at scrape time). One label per served model:
   the ids are fixed at start, so the label sets are bounded.
 - ``diffusion_offload_pinned_host_bytes`` and ``..._pinned_overhead_bytes``: the engine's
-  pinned host memory now, every byte (``TransferStats.pinned_bytes``), and the part that is
+  pinned host memory now, every byte (``TransferStats.pinned_total_bytes``), and the part that is
   not host copies (staging ring, check buffers, rounding); read at scrape time.
 
 Several processes (the Ray Serve replicas) each take a :meth:`ServerMetrics.snapshot` of
@@ -74,7 +74,7 @@ _STATS = (
     ("disk_read_seconds", "disk_read_seconds", "Seconds loads spent reading disk-backed host copies."),
 )
 _STAT_GAUGES = (
-    ("pinned_bytes", "pinned_host_bytes", "Pinned host memory the engine holds now, every byte."),
+    ("pinned_total_bytes", "pinned_host_bytes", "Pinned host memory the engine holds now, every byte."),
     ("pinned_overhead_bytes", "pinned_overhead_bytes",
      "Of it, what is not host copies: staging ring, write-check buffers, padding, rounding."),
 )

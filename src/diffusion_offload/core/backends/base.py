@@ -373,10 +373,13 @@ class OffloadBackendBase:
         to the bytes pinned already plus the host memory available now
         (``hostmem.available_host_bytes``) when the host cannot lock every host copy (as
         mmgp's partial pinning does: page-locked memory cannot be reclaimed; the rest
-        stays pageable, with one warning). None: no cap."""
+        stays pageable, with one warning), less the room the buffers of later loads pin
+        (``tiers.check_bytes``), so that ``stats.pinned_total_bytes`` stays within it.
+        None: no cap."""
         needed = 0
         pinnable = 0
         seen: set[int] = set()
+        sizes: dict[str, list[int]] = {}
         for name, tensors in named.items():
             if not selected[name]:
                 continue
@@ -386,6 +389,7 @@ class OffloadBackendBase:
                 seen.add(id(t))
                 p = payload_of(t)
                 n = p.numel() * p.element_size()
+                sizes.setdefault(name, []).append(n)
                 pinnable += n
                 if p.device.type != "cpu":
                     needed += n
@@ -399,12 +403,17 @@ class OffloadBackendBase:
         limit = hostmem.locked_memory_limit()
         cap = self.max_pinned_bytes
         want = pinnable if cap is None else min(pinnable, cap)
-        room = None if available is None else self.mover.stats.pinned_bytes + available
+        # every pinned byte stays within what is available: the buffers later loads pin
+        # (write-check sums, padding, checksum weights) get their room first
+        reserve = tiers.check_bytes(sizes.values())
+        room = None if available is None else max(
+            self.mover.stats.pinned_total_bytes + available - reserve, 0)
         if self.mover.pin and room is not None and want > room:
             warnings.warn(
                 f"pinning at most {room} of the {want} bytes of host copies: the host has "
-                f"{available} bytes available (MemAvailable); the rest stays in pageable "
-                "memory (synchronous host->device copies)",
+                f"{available} bytes available (MemAvailable), {reserve} of them kept for the "
+                "copies' pinned buffers; the rest stays in pageable memory (synchronous "
+                "host->device copies)",
                 RuntimeWarning,
                 stacklevel=4,
             )
