@@ -27,8 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..models.fit import FitError
+from ..models.rules import ModelRules
 
-__all__ = ["MARGIN", "Admission", "Shape"]
+__all__ = ["MARGIN", "Admission", "Shape", "admission_for"]
 
 logger = logging.getLogger("diffusion_offload")
 
@@ -36,8 +37,9 @@ MARGIN = 1.10
 """The planner's tested error bound: measured peak <= predicted <= ``MARGIN`` x measured
 (``tests/test_planner_tiny.py``, every candidate of every tiny family)."""
 
-Shape = tuple[int, int, "int | None", int, "bool | None"]
-"""``(height, width, num_frames or None, steps, cfg)`` of a request (pixels, frames, steps)."""
+Shape = tuple[int, int, "int | None", int, "bool | None", "int | None"]
+"""``(height, width, num_frames or None, steps, cfg, max_sequence_length or None)`` of a
+request (pixels, frames, steps, text tokens), as ``planner.stages.Request`` takes them."""
 
 
 class Admission:
@@ -48,8 +50,8 @@ class Admission:
         capacity: the device's total memory (bytes).
         predict: ``shape -> predicted peak`` (bytes) for the engine's config; raises
             ``ValueError`` when the planner cannot plan it (admission then turns off).
-        size_multiple: height and width must be multiples of this (pixels).
-        frame_step: ``num_frames - 1`` must be a multiple of this (video), or None.
+        rules: the model's size rules and defaults (``models.rules.model_rules``).
+        takes_sequence_length: the pipeline's ``__call__`` takes ``max_sequence_length``.
 
     Attributes:
         enabled: False once the planner could not plan this engine.
@@ -58,12 +60,14 @@ class Admission:
     """
 
     def __init__(self, name: str, capacity: int, predict: Callable[[Shape], int],
-                 size_multiple: int, frame_step: int | None) -> None:
+                 rules: ModelRules, takes_sequence_length: bool = False) -> None:
         self.name = name
         self.capacity = capacity
         self._predict = predict
-        self.size_multiple = max(int(size_multiple), 1)
-        self.frame_step = frame_step
+        self.rules = rules
+        self.size_multiple = max(int(rules.size_multiple), 1)
+        self.frame_step = rules.frame_step if rules.is_video else None
+        self._takes_length = takes_sequence_length
         self.enabled = True
         self.predictions: dict[Shape, int] = {}
         self._lock = threading.Lock()
@@ -89,6 +93,30 @@ class Admission:
         peak = self.peak(shape)
         return peak is None or peak <= MARGIN * self.capacity
 
+    def shape_of(self, kwargs: dict[str, Any], negative: bool) -> Shape | None:
+        """The :data:`Shape` of one pipeline call's ``kwargs`` (omitted sizes take the
+        model's defaults); ``cfg`` is the engine's rule with a negative prompt, and off
+        without one (a lower bound: guidance may still run). None when a size is unknown."""
+        values = self.rules.resolve({k: kwargs.get(k) for k in
+                                     ("height", "width", "num_frames", "num_inference_steps")})
+        height, width, steps = values.get("height"), values.get("width"), values.get("num_inference_steps")
+        frames = values.get("num_frames") if self.rules.is_video else None
+        if height is None or width is None or steps is None or (self.rules.is_video and frames is None):
+            return None
+        length = kwargs.get("max_sequence_length") if self._takes_length else None
+        return (int(height), int(width), None if frames is None else int(frames), int(steps),
+                None if negative else False, None if length is None else int(length))
+
+    def check_call(self, kwargs: dict[str, Any], negative: bool) -> None:
+        """``check`` the shape of one pipeline call (``shape_of``); nothing when unknown.
+
+        Raises:
+            FitError: as ``check``.
+        """
+        shape = self.shape_of(kwargs, negative)
+        if shape is not None:
+            self.check(shape)
+
     def check(self, shape: Shape) -> None:
         """Refuse ``shape`` when it cannot fit the device.
 
@@ -99,7 +127,7 @@ class Admission:
         if self.fits(shape):
             return
         peak = self.peak(shape)
-        height, width, frames, steps, cfg = shape
+        height, width, frames = shape[:3]
         what = f"{height}x{width}" + (f", {frames} frames" if frames is not None else "")
         raise FitError(
             f"model {self.name!r} cannot run {what}: the planner predicts a device peak of "
@@ -114,7 +142,7 @@ class Admission:
     def _what_fits(self, shape: Shape) -> str:
         """The largest size at the asked aspect (and frames) whose predicted peak fits, and
         for a video the most frames at the asked size."""
-        height, width, frames, steps, cfg = shape
+        height, width, frames = shape[:3]
         m = self.size_multiple
         tall = height >= width
 
@@ -122,7 +150,7 @@ class Admission:
             long, short = (height, width) if tall else (width, height)
             other = max(m, int(round(k * m * short / long / m)) * m)
             h, w = (k * m, other) if tall else (other, k * m)
-            return (h, w, frames, steps, cfg)
+            return (h, w, *shape[2:])
 
         parts = []
         best = self._largest(lambda k: self._under(scaled(k)), max(height, width) // m)
@@ -132,7 +160,7 @@ class Admission:
                          + (f" at {frames} frames" if frames is not None else ""))
         if frames is not None and self.frame_step:
             step = self.frame_step
-            most = self._largest(lambda k: self._under((height, width, 1 + (k - 1) * step, steps, cfg)),
+            most = self._largest(lambda k: self._under((height, width, 1 + (k - 1) * step, *shape[3:])),
                                  (frames - 1) // step + 1)
             if most:
                 parts.append(f"at {height}x{width} at most {1 + (most - 1) * step} frames fit")
@@ -154,13 +182,20 @@ class Admission:
         return lo
 
 
-def build_admission(name: str, capacity: int | None, model_path: str, config: Any,
-                    device_memory_budget: Any, device_kind: str, dtype: Any, variant: str | None,
-                    component_roles: Any, size_multiple: int, frame_step: int | None) -> Admission | None:
-    """The :class:`Admission` of an engine, or None where there is nothing to check (no
-    known device capacity, a device budget given as a fraction still unresolved)."""
-    if not capacity or (device_memory_budget is not None and not isinstance(device_memory_budget, int)):
+def admission_for(engine: Any, call_params: set[str]) -> "Admission | None":
+    """The :class:`Admission` of ``engine`` (an ``Omni``), or None where there is nothing to
+    check: offload a no-op (device ``cpu``), no known device capacity, or a device budget
+    still given as text. The planner's model is loaded at the first check (safetensors
+    headers and meta modules, no weight read)."""
+    from ..models.rules import model_rules
+
+    budget = engine.device_memory_budget
+    if engine.platform.is_noop or (budget is not None and not isinstance(budget, int)):
         return None
+    capacity = engine.platform.memory_stats().total_bytes
+    if not capacity:
+        return None
+    rules = model_rules(engine.info)
     state: dict[str, Any] = {}
 
     def predict(shape: Shape) -> int:
@@ -169,10 +204,9 @@ def build_admission(name: str, capacity: int | None, model_path: str, config: An
         from ..planner.stages import Request
 
         if "pm" not in state:
-            state["pm"] = load_plan_model(model_path, variant=variant, dtype=dtype,
-                                          component_roles=component_roles)
-        height, width, frames, steps, cfg = shape
-        return predict_peak(state["pm"], Request(height, width, frames, steps, cfg), config,
-                            device_memory_budget, device_kind=device_kind)
+            state["pm"] = load_plan_model(engine.info.path, variant=engine.variant, dtype=engine.dtype,
+                                          component_roles=engine.component_roles)
+        return predict_peak(state["pm"], Request(*shape), engine.config, budget,
+                            device_kind=engine.device.type)
 
-    return Admission(name, capacity, predict, size_multiple, frame_step)
+    return Admission(engine.model, capacity, predict, rules, "max_sequence_length" in call_params)

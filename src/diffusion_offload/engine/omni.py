@@ -22,6 +22,7 @@ from ..core.platform import Platform, normalize_device, platform_for
 from ..core.stats import TransferStats
 from ..core.tiers import auto_host_budget, check_budget
 from ..core.hostmem import check_page_cache
+from .admission import admission_for
 from .hostrss import PeakHostMemory
 from ..models.fit import Footprint, check_fit
 from ..core.caches import clear_method_caches
@@ -273,6 +274,8 @@ class Omni:
         sleepable: keep a host copy of what rests on the device too, so ``sleep`` can
             empty the device with no device-to-host weight copy (``engine.pool.ModelPool``
             shares one device between several engines this way); needs an offload config.
+        admission: refuse a request whose predicted device peak cannot fit the device
+            before it runs (``engine.admission``: a ``FitError`` naming what fits).
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -310,6 +313,7 @@ class Omni:
         host_memory_budget: int | str | None = None,
         page_cache: str = "auto",
         sleepable: bool = False,
+        admission: bool = True,
     ) -> None:
         start = time.perf_counter()
         detach_library_tracebacks()  # before any library is imported or loads weights
@@ -364,29 +368,14 @@ class Omni:
         self.pipeline.set_progress_bar_config(disable=not progress)
         self.backend: OffloadBackendBase | None = None
         if self.config is not None and not self.platform.is_noop:
-            if self.config.mode == "layer":
-                self.backend = LayerwiseOffloadBackend(
-                    self.config,
-                    self.device,
-                    layer_blocks=layer_blocks,
-                    component_roles=self.component_roles,
-                    max_pinned_bytes=max_pinned_bytes,
-                    device_memory_budget=device_memory_budget,
-                    host_memory_budget=host_memory_budget,
-                    page_cache=page_cache,
-                    sleepable=sleepable,
-                )
-            else:
-                self.backend = ModelLevelOffloadBackend(
-                    self.config,
-                    self.device,
-                    component_roles=self.component_roles,
-                    max_pinned_bytes=max_pinned_bytes,
-                    device_memory_budget=device_memory_budget,
-                    host_memory_budget=host_memory_budget,
-                    page_cache=page_cache,
-                    sleepable=sleepable,
-                )
+            layer = self.config.mode == "layer"
+            cls = LayerwiseOffloadBackend if layer else ModelLevelOffloadBackend
+            self.backend = cls(
+                self.config, self.device, **({"layer_blocks": layer_blocks} if layer else {}),
+                component_roles=self.component_roles, max_pinned_bytes=max_pinned_bytes,
+                device_memory_budget=device_memory_budget, host_memory_budget=host_memory_budget,
+                page_cache=page_cache, sleepable=sleepable,
+            )
             self.backend.enable(self.pipeline)
         elif not self.platform.is_noop:
             self.pipeline.to(self.device)
@@ -411,6 +400,7 @@ class Omni:
         self._own_config = dict(self.pipeline.config)  # check_request's view: never an override
         self._variants: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {}
         self._variant_lock = threading.Lock()
+        self.admission = admission_for(self, self._call_params) if admission else None
         self.load_seconds = time.perf_counter() - start
         self._load_reported = False
 
@@ -591,6 +581,8 @@ class Omni:
                                          "input image: give 'image' (a PIL image) in the prompt "
                                          "mapping (generate --image PATH)")
             kwargs = call_kwargs(pipe, knobs, refused, params, item.negative is not None)
+            if self.admission is not None and pipe is self.pipeline and item.images is None:
+                self.admission.check_call(kwargs, item.negative is not None)
             frames = kwargs.get("num_frames")
             factor = getattr(self.pipeline, "vae_scale_factor_temporal", None)
             if frames is not None and isinstance(factor, int) and factor > 1 and (frames - 1) % factor:
