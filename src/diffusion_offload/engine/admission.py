@@ -47,7 +47,7 @@ class Admission:
 
     Args:
         name: the model as errors name it (a served model's id, or the model path).
-        capacity: the device's total memory (bytes).
+        capacity: returns the device's total memory now (bytes; read at each check).
         predict: ``shape -> predicted peak`` (bytes) for the engine's config; raises
             ``ValueError`` when the planner cannot plan it (admission then turns off).
         rules: the model's size rules and defaults (``models.rules.model_rules``).
@@ -59,10 +59,10 @@ class Admission:
             shape).
     """
 
-    def __init__(self, name: str, capacity: int, predict: Callable[[Shape], int],
+    def __init__(self, name: str, capacity: Callable[[], int] | int, predict: Callable[[Shape], int],
                  rules: ModelRules, takes_sequence_length: bool = False) -> None:
         self.name = name
-        self.capacity = capacity
+        self._capacity = capacity if callable(capacity) else (lambda: capacity)
         self._predict = predict
         self.rules = rules
         self.size_multiple = max(int(rules.size_multiple), 1)
@@ -71,6 +71,11 @@ class Admission:
         self.enabled = True
         self.predictions: dict[Shape, int] = {}
         self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        """The device's total memory now (bytes)."""
+        return int(self._capacity())
 
     def peak(self, shape: Shape) -> int | None:
         """The predicted device peak of ``shape`` (bytes), or None when admission is off."""
@@ -192,8 +197,7 @@ def admission_for(engine: Any, call_params: set[str]) -> "Admission | None":
     budget = engine.device_memory_budget
     if engine.platform.is_noop or (budget is not None and not isinstance(budget, int)):
         return None
-    capacity = engine.platform.memory_stats().total_bytes
-    if not capacity:
+    if not engine.platform.memory_stats().total_bytes:
         return None
     rules = model_rules(engine.info)
     state: dict[str, Any] = {}
@@ -208,5 +212,8 @@ def admission_for(engine: Any, call_params: set[str]) -> "Admission | None":
                                           component_roles=engine.component_roles)
         return predict_peak(state["pm"], Request(*shape), engine.config, budget,
                             device_kind=engine.device.type)
+
+    def capacity() -> int:
+        return engine.platform.memory_stats().total_bytes or 0
 
     return Admission(engine.model, capacity, predict, rules, "max_sequence_length" in call_params)
