@@ -136,3 +136,22 @@ def test_a_refused_request_runs_out_of_memory_when_forced(kind, side, tiny_dirs,
     finally:
         gc.collect()
         fa.set_capacity(None)
+
+
+def test_predict_peak_is_the_plan_row_of_the_same_config(tiny_dirs):
+    """``predict_peak`` walks an engine config exactly as ``plan_model``'s row for it."""
+    from diffusion_offload.core.config import parse_diffusion_offload_config
+    from diffusion_offload.planner.model import load_plan_model
+    from diffusion_offload.planner.plan import plan_model, predict_peak, resolve_request
+
+    pm = load_plan_model(tiny_dirs("wan2.2"))
+    request = resolve_request(pm, 64, 64, 5, 2)
+    rows = {r.name: r for r in plan_model(pm, request, 10**9, device_kind="fakegpu")}
+    for name, row in rows.items():
+        config = row.config["diffusion_offload_config"]
+        parsed = None if config is None else parse_diffusion_offload_config(config)
+        peak = predict_peak(pm, request, parsed, row.config.get("device_memory_budget"),
+                            device_kind="fakegpu")
+        assert peak == row.peak_bytes, name
+    with pytest.raises(ValueError, match="legacy"):
+        predict_peak(pm, request, parse_diffusion_offload_config(None, enable_cpu_offload=True))

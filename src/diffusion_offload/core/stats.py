@@ -55,8 +55,9 @@ class TransferStats:
             are: SPEC section 3). Every pinned byte held for this backend is
             ``pinned_total_bytes``.
         pinned_overhead_bytes: the pinned host memory held for this backend beyond the
-            host copies' own bytes (a gauge): the staging ring, the write check's host buffers (the sums read back
-            at a load, the disk tier's fingerprints, the checksum weights), the alignment
+            host copies' own bytes (a gauge): the staging ring, the write check's host
+            buffers (the sums read back at a load, the disk tier's fingerprints, the
+            checksum weights), the alignment
             padding of pinned arenas, and the caching host allocator's rounding where a
             buffer had to come from ``pin_memory()`` (``hostmem.caching_host_bytes``).
             Counted while the memory is alive: a buffer freed is taken out.

@@ -416,28 +416,24 @@ def predict_peak(
             components without blocks), or no activation model for this pipeline (from
             ``measure_request``).
     """
-    if report is None:
-        report = measure_request(pm, request, device_kind)
+    if config is not None and not config.explicit:  # it also moves image encoders: no rule
+        raise ValueError("the legacy enable_cpu_offload switch: no planner rule")
     if config is None:
         cand = _Candidate("all resident", {}, "resident")
-    else:
-        mode = config.mode
+    elif config.mode == "module":
         sel = _selectable(pm, config.components)
-        if mode == "module":
-            kind = "budget" if device_memory_budget is not None else "module"
-            if kind == "budget" and not any(pm.components[n].role == "dit" for n in sel):
-                kind = "module"  # the budget only holds DiTs back: strict otherwise
-            cand = _Candidate("engine", {}, kind, sel, budget=device_memory_budget or 0)
-        elif mode == "layer":
-            if any(not pm.components[n].blocks for n in sel):
-                raise ValueError("layer mode on components without blocks: no planner rule")
-            options = dict(config.layer_options).get("dit")
-            k = (options.resident_layers or 0) if options is not None else 0
-            cand = _Candidate("engine", {}, "layer", sel, k, budget=device_memory_budget or 0)
-        else:
-            raise ValueError(f"mode={mode!r}: the planner has rules for 'module' and 'layer' only")
-        if not config.explicit:  # the legacy switch also moves image encoders: no rule here
-            raise ValueError("the legacy enable_cpu_offload switch: no planner rule")
+        # the budget only holds DiTs back: strict without a selected DiT
+        budgeted = device_memory_budget is not None and any(pm.components[n].role == "dit" for n in sel)
+        cand = _Candidate("engine", {}, "budget" if budgeted else "module", sel, budget=device_memory_budget or 0)
+    else:  # layer (the two modes a config takes)
+        sel = _selectable(pm, config.components)
+        if any(not pm.components[n].blocks for n in sel):
+            raise ValueError("layer mode on components without blocks: no planner rule")
+        options = dict(config.layer_options).get("dit")
+        k = (options.resident_layers or 0) if options is not None else 0
+        cand = _Candidate("engine", {}, "layer", sel, k, budget=device_memory_budget or 0)
+    if report is None:
+        report = measure_request(pm, request, device_kind)
     return _walk(pm, report, cand, device_kind)[1]
 
 
