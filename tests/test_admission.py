@@ -155,3 +155,51 @@ def test_predict_peak_is_the_plan_row_of_the_same_config(tiny_dirs):
         assert peak == row.peak_bytes, name
     with pytest.raises(ValueError, match="legacy"):
         predict_peak(pm, request, parse_diffusion_offload_config(None, enable_cpu_offload=True))
+
+
+@pytest.mark.parametrize("kind", ["flux", "wan2.2"])
+def test_serve_answers_a_refused_request_with_a_400_before_queueing(kind, tiny_dirs, fake_device):
+    """Through HTTP: the 400 envelope names the model by its served id, the peak, the device
+    bytes and what fits, with ``code`` ``admission_refused`` and ``param`` ``size``; no job
+    is queued (a video gets no job id), and a size that fits still runs."""
+    from fastapi.testclient import TestClient
+
+    from diffusion_offload.engine.admission import AdmissionError
+    from diffusion_offload.server import ServerSettings, create_app
+
+    gc.collect()
+    capacity = CAPACITY[kind]
+    fa.set_capacity(capacity)
+    video = kind.startswith("wan")
+    try:
+        with Omni(tiny_dirs(kind), MODULE, device="fakegpu", progress=False, name=f"served-{kind}") as engine:
+            app = create_app(engine, ServerSettings(model_id=f"served-{kind}", max_steps=8))
+            with TestClient(app, base_url="http://127.0.0.1") as client:
+                route = "/v1/videos" if video else "/v1/images/generations"
+                body = {"prompt": "a cat", "negative_prompt": "blurry", "num_inference_steps": 2}
+                if video:
+                    body |= {"num_frames": 5}
+                shape = engine.admission.shape_of({"height": 512, "width": 512, "num_frames": 5 if video else None,
+                                                   "num_inference_steps": 2}, negative=True)
+                peak = engine.admission.peak(shape)
+                answer = client.post(route, json=body | {"size": "512x512"})
+                assert answer.status_code == 400, answer.text
+                error = answer.json()["error"]
+                assert error["code"] == "admission_refused" and error["param"] == "size"
+                assert error["message"].startswith(f"model 'served-{kind}' cannot run 512x512")
+                assert f"device peak of {peak} bytes" in error["message"]
+                assert f"the device has {capacity} bytes" in error["message"]
+                assert "the largest size that fits is" in error["message"]
+                if video:
+                    assert client.get("/v1/videos").json()["data"] == []  # nothing was queued
+                with pytest.raises(AdmissionError) as raised:  # the same refusal from the API
+                    engine.check_request({"prompt": "a cat", "negative_prompt": "blurry"},
+                                         SamplingParams(height=512, width=512, num_frames=5 if video else None,
+                                                        num_inference_steps=2))
+                assert raised.value.peak == peak and raised.value.capacity == capacity
+                assert str(raised.value) == error["message"]
+                fits = client.post(route, json=body | {"size": "32x32"})
+                assert fits.status_code == 200, fits.text
+    finally:
+        gc.collect()
+        fa.set_capacity(None)

@@ -29,7 +29,7 @@ from typing import Any
 from ..models.fit import FitError
 from ..models.rules import ModelRules
 
-__all__ = ["MARGIN", "Admission", "Shape", "admission_for"]
+__all__ = ["MARGIN", "Admission", "AdmissionError", "Shape", "admission_for"]
 
 logger = logging.getLogger("diffusion_offload")
 
@@ -40,6 +40,31 @@ MARGIN = 1.10
 Shape = tuple[int, int, "int | None", int, "bool | None", "int | None"]
 """``(height, width, num_frames or None, steps, cfg, max_sequence_length or None)`` of a
 request (pixels, frames, steps, text tokens), as ``planner.stages.Request`` takes them."""
+
+
+class AdmissionError(FitError):
+    """A request refused before it ran: its predicted device peak cannot fit the device.
+
+    Under ``serve`` the answer is a 400 with ``error.code`` = :attr:`error_code` and
+    ``error.param`` = :attr:`field` (``"size"``), so a client tells it from other refusals.
+
+    Attributes:
+        field: the request field to change (``"size"``; for a video, or fewer frames).
+        error_code: ``"admission_refused"``.
+        peak: the predicted device peak (bytes).
+        capacity: the device's total memory (bytes).
+    """
+
+    field = "size"
+    error_code = "admission_refused"
+
+    def __init__(self, message: str, peak: int, capacity: int) -> None:
+        super().__init__(message)
+        self.peak = peak
+        self.capacity = capacity
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles across Ray with its numbers
+        return type(self), (str(self), self.peak, self.capacity)
 
 
 class Admission:
@@ -116,7 +141,7 @@ class Admission:
         """``check`` the shape of one pipeline call (``shape_of``); nothing when unknown.
 
         Raises:
-            FitError: as ``check``.
+            AdmissionError: as ``check``.
         """
         shape = self.shape_of(kwargs, negative)
         if shape is not None:
@@ -126,19 +151,19 @@ class Admission:
         """Refuse ``shape`` when it cannot fit the device.
 
         Raises:
-            FitError: the lower bound of its peak exceeds ``capacity``; the message names
-                the model, the predicted peak, the device bytes and what fits.
+            AdmissionError: the lower bound of its peak exceeds ``capacity``; the message
+                names the model, the predicted peak, the device bytes and what fits.
         """
         if self.fits(shape):
             return
         peak = self.peak(shape)
+        capacity = self.capacity
         height, width, frames = shape[:3]
         what = f"{height}x{width}" + (f", {frames} frames" if frames is not None else "")
-        raise FitError(
+        raise AdmissionError(
             f"model {self.name!r} cannot run {what}: the planner predicts a device peak of "
-            f"{peak} bytes (at least {int(peak / MARGIN)}), and the device has {self.capacity} "
-            f"bytes; {self._what_fits(shape)}"
-        )
+            f"{peak} bytes (at least {int(peak / MARGIN)}), and the device has {capacity} "
+            f"bytes; {self._what_fits(shape)}", peak, capacity)
 
     def _under(self, shape: Shape) -> bool:
         peak = self.peak(shape)
@@ -216,4 +241,4 @@ def admission_for(engine: Any, call_params: set[str]) -> "Admission | None":
     def capacity() -> int:
         return engine.platform.memory_stats().total_bytes or 0
 
-    return Admission(engine.model, capacity, predict, rules, "max_sequence_length" in call_params)
+    return Admission(engine.name, capacity, predict, rules, "max_sequence_length" in call_params)

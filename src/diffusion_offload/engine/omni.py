@@ -275,7 +275,9 @@ class Omni:
             empty the device with no device-to-host weight copy (``engine.pool.ModelPool``
             shares one device between several engines this way); needs an offload config.
         admission: refuse a request whose predicted device peak cannot fit the device
-            before it runs (``engine.admission``: a ``FitError`` naming what fits).
+            before it runs (``engine.admission``: an ``AdmissionError``, a ``FitError``,
+            naming what fits).
+        name: the model as refusals name it (``serve``: the served id); None: ``model``.
 
     ``generate`` is thread-safe: whole calls are serialized, so each returns the result
     and the ``offload_stats`` of its request run alone.
@@ -314,6 +316,7 @@ class Omni:
         page_cache: str = "auto",
         sleepable: bool = False,
         admission: bool = True,
+        name: str | None = None,
     ) -> None:
         start = time.perf_counter()
         detach_library_tracebacks()  # before any library is imported or loads weights
@@ -329,6 +332,7 @@ class Omni:
         self.device = pick_device(device)
         self.platform: Platform = platform_for(self.device)
         self.model = str(model)
+        self.name = self.model if name is None else str(name)
         self.variant = variant
         self.info: ModelInfo = inspect_model(resolve_model(model), variant)
         self.component_roles = self._check_roles(component_roles)

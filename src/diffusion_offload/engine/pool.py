@@ -291,11 +291,9 @@ def _build_omni(spec: ModelSpec, budget: int | None, kwargs: Mapping[str, Any]) 
     options = dict(kwargs)
     if budget is not None:
         options["host_memory_budget"] = budget
-    engine = Omni(spec.path, spec.config if spec.config is not None else DEFAULT_CONFIG,
-                  variant=spec.variant, loras=spec.loras, dtype=spec.dtype, sleepable=True, **options)
-    if engine.admission is not None:
-        engine.admission.name = spec.id  # refusals name the model's id
-    return engine
+    return Omni(spec.path, spec.config if spec.config is not None else DEFAULT_CONFIG,
+                variant=spec.variant, loras=spec.loras, dtype=spec.dtype, sleepable=True,
+                name=spec.id, **options)
 
 
 def repeated_ids(specs: Sequence[ModelSpec]) -> list[str]:

@@ -268,6 +268,9 @@ def _wan(pm: PlanModel, req: Request, run: _Run) -> None:
     ones = torch.ones(latents.shape, dtype=torch.float32, device=_META)  # WanPipeline's ``mask``
     ratio = pm.index.get("boundary_ratio")
     boundary = ratio * pm.scheduler.config.num_train_timesteps if ratio is not None else None
+    # WanPipeline's loop locals (latent_model_input, timestep, noise_pred, noise_uncond)
+    # stay alive until reassigned, and through the decode
+    noise = uncond = None
     for i, t in enumerate(timesteps):
         name = dits[0] if boundary is None or t >= boundary or len(dits) == 1 else dits[1]
         model_input = latents.to(_dtype_of(m[name]))
@@ -278,20 +281,15 @@ def _wan(pm: PlanModel, req: Request, run: _Run) -> None:
             uncond = run.forward(name, m[name], hidden_states=model_input, timestep=timestep,
                                  encoder_hidden_states=embeds[1], return_dict=False)
             noise = _guided(noise, uncond, 4.0)
-            del uncond
-        del model_input, timestep
         latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
-        del noise
-    del ones
     latents = latents.to(dtype=_dtype_of(vae))
     z = vae.config.z_dim
     mean, std = _dev((1, z, 1, 1, 1), latents.dtype), _dev((1, z, 1, 1, 1), latents.dtype)
     latents = latents / std + mean
     run.use("vae")
     video = vae.decode(latents, return_dict=False)[0]
-    del latents
     outs = [_postprocess(video[b].permute(1, 0, 2, 3)) for b in range(video.shape[0])]
-    del outs, video
+    del outs, video, latents, ones, noise, uncond, model_input, timestep
 
 
 # ---------------------------------------------------------------------- FLUX
@@ -339,25 +337,30 @@ def _flux(pm: PlanModel, req: Request, run: _Run) -> None:
     t_dev = _dev((len(timesteps),), torch.float32)
     guidance = (torch.full([1], 3.5, dtype=torch.float32, device=_META).expand(1)
                 if dit.config.guidance_embeds else None)
+
+    def denoise(prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        embeds, pooled, text_ids = prompt
+        return run.forward("transformer", dit, hidden_states=latents, timestep=timestep / 1000,
+                           guidance=guidance, pooled_projections=pooled,
+                           encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids,
+                           return_dict=False)
+
+    # FluxPipeline's loop locals (timestep, noise_pred, neg_noise_pred) stay alive until
+    # reassigned, and through the decode
+    noise = uncond = None
     for i, t in enumerate(timesteps):
         timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
-        outs = []
-        for embeds, pooled, text_ids in prompts:
-            outs.append(run.forward("transformer", dit, hidden_states=latents,
-                                    timestep=timestep / 1000, guidance=guidance,
-                                    pooled_projections=pooled, encoder_hidden_states=embeds,
-                                    txt_ids=text_ids, img_ids=image_ids, return_dict=False))
-        noise = _guided(outs[0], outs[1], 4.0) if cfg else outs[0]
-        del outs, timestep
+        noise = denoise(prompts[0])
+        if cfg:
+            uncond = denoise(prompts[1])
+            noise = _guided(noise, uncond, 4.0)
         latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
-        del noise
     latents = FluxPipeline._unpack_latents(latents, req.height, req.width, scale)
     latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
     run.use("vae")
     image = vae.decode(latents, return_dict=False)[0]
-    del latents
     image = _postprocess(image)
-    del image
+    del image, latents, noise, uncond, timestep
 
 
 # ---------------------------------------------------------------------- SD3
@@ -411,25 +414,25 @@ def _sd3(pm: PlanModel, req: Request, run: _Run) -> None:
     latents = _dev((1, dit.config.in_channels, req.height // scale, req.width // scale), embeds.dtype)
     timesteps = _timesteps(pm, req.steps)
     t_dev = _dev((len(timesteps),), pm.scheduler.timesteps.dtype)
+    # StableDiffusion3Pipeline's loop locals (latent_model_input, timestep, noise_pred and
+    # its chunks noise_pred_uncond/noise_pred_text, views of the batch-2 output) stay alive
+    # until reassigned, and through the decode
+    noise = uncond = cond = None
     for i, t in enumerate(timesteps):
         model_input = torch.cat([latents] * 2) if cfg else latents
         timestep = t_dev[i].expand(model_input.shape[0])
         noise = run.forward("transformer", dit, hidden_states=model_input, timestep=timestep,
                             encoder_hidden_states=embeds, pooled_projections=pooled,
                             return_dict=False)
-        del model_input, timestep
         if cfg:
             uncond, cond = noise.chunk(2)
             noise = _guided(cond, uncond, 7.0)
-            del uncond, cond
         latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
-        del noise
     latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
     run.use("vae")
     image = vae.decode(latents, return_dict=False)[0]
-    del latents
     image = _postprocess(image)
-    del image
+    del image, latents, noise, uncond, cond, model_input, timestep
 
 
 # ---------------------------------------------------------------------- Qwen-Image
@@ -479,23 +482,25 @@ def _qwen_image(pm: PlanModel, req: Request, run: _Run) -> None:
 
     timesteps = _timesteps(pm, req.steps, mu=mu, sigmas=np.linspace(1.0, 1 / req.steps, req.steps))
     t_dev = _dev((len(timesteps),), torch.float32)
+
+    def denoise(embeds: torch.Tensor) -> torch.Tensor:
+        return run.forward("transformer", dit, hidden_states=latents, timestep=timestep / 1000,
+                           guidance=None, encoder_hidden_states_mask=None,
+                           encoder_hidden_states=embeds, img_shapes=img_shapes, return_dict=False)
+
+    # QwenImagePipeline's loop locals (timestep, noise_pred, neg_noise_pred, comb_pred,
+    # cond_norm, noise_norm) stay alive until reassigned, and through the decode
+    noise = uncond = comb = cond_norm = noise_norm = None
     for i, t in enumerate(timesteps):
         timestep = t_dev[i].expand(latents.shape[0]).to(latents.dtype)
-        outs = [run.forward("transformer", dit, hidden_states=latents,
-                            timestep=timestep / 1000, guidance=None, encoder_hidden_states_mask=None,
-                            encoder_hidden_states=embeds, img_shapes=img_shapes, return_dict=False)
-                for embeds in prompts]
+        noise = denoise(prompts[0])
         if cfg:
-            comb = _guided(outs[0], outs[1], 4.0)
-            cond_norm = torch.norm(outs[0], dim=-1, keepdim=True)
+            uncond = denoise(prompts[1])
+            comb = _guided(noise, uncond, 4.0)
+            cond_norm = torch.norm(noise, dim=-1, keepdim=True)
             noise_norm = torch.norm(comb, dim=-1, keepdim=True)
             noise = comb * (cond_norm / noise_norm)
-            del comb, cond_norm, noise_norm
-        else:
-            noise = outs[0]
-        del outs, timestep
         latents = pm.scheduler.step(noise, t, latents, return_dict=False)[0]
-        del noise
     latents = QwenImagePipeline._unpack_latents(latents, req.height, req.width, scale)
     latents = latents.to(_dtype_of(vae))
     z = vae.config.z_dim
@@ -503,9 +508,8 @@ def _qwen_image(pm: PlanModel, req: Request, run: _Run) -> None:
     latents = latents / std + mean
     run.use("vae")
     image = vae.decode(latents, return_dict=False)[0][:, :, 0]
-    del latents
     image = _postprocess(image)
-    del image
+    del image, latents, noise, uncond, comb, cond_norm, noise_norm, timestep
 
 
 FAMILIES: dict[str, Callable[[PlanModel, Request, _Run], None]] = {

@@ -240,11 +240,8 @@ def serve(args: argparse.Namespace) -> int:
                              max_pinned_bytes=pinned, progress=False, **shared)
         if settings.idle_release is not None and config is not None:
             extra["sleepable"] = True  # idle release empties the device of the one model too
-        engine = build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned,
-                            device=device, dtype=dtype, progress=False, **extra)
-        if getattr(engine, "admission", None) is not None:
-            engine.admission.name = settings.model_id  # refusals name the served id
-        return engine
+        return build_omni(model_dir, config, variant=variant, max_pinned_bytes=pinned, device=device,
+                          dtype=dtype, progress=False, name=settings.model_id, **extra)
 
     tmp = tempfile.mkdtemp(prefix="diffusion-offload-serve-")
     previous_tmp = tempfile.tempdir

@@ -66,22 +66,27 @@ class RequestRefused(ValueError):
 
     error_code = "invalid_value"
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        if code is not None:  # the refusal's own code (admission: ``admission_refused``)
+            self.error_code = code
 
     @classmethod
     def of(cls, exc: ValueError) -> RequestRefused:
-        """The refusal of the engine's ``exc``: a ``KnobError``'s own message and field,
-        else ``"Invalid request: the model refused it: ..."`` with the pipeline's message."""
+        """The refusal of the engine's ``exc``: a ``KnobError``'s or ``AdmissionError``'s own
+        message, field (and code), else ``"Invalid request: the model refused it: ..."``
+        with the pipeline's message."""
         if isinstance(exc, cls):
             return exc
         field = getattr(exc, "field", None)
-        return cls(str(exc) if field else f"Invalid request: the model refused it: {exc}", field)
+        code = getattr(exc, "error_code", None)
+        return cls(str(exc) if field else f"Invalid request: the model refused it: {exc}", field,
+                   code if isinstance(code, str) else None)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.message, self.field)
+        return type(self), (self.message, self.field, self.error_code)
 
 
 def refusal_error(exc: ValueError) -> APIError:
@@ -89,7 +94,7 @@ def refusal_error(exc: ValueError) -> APIError:
     ``KnobError``'s own message and field, else ``"Invalid request: the model refused
     it: ..."`` with the pipeline's message."""
     refused = RequestRefused.of(exc)
-    return APIError(400, refused.message, param=refused.field, code=RequestRefused.error_code)
+    return APIError(400, refused.message, param=refused.field, code=refused.error_code)
 
 _MAX_SEED = 2**31 - 1
 DEFAULT_FPS = 16
@@ -307,6 +312,7 @@ def job_error_message(job: Job, exc: BaseException) -> str:
 _FAILURE_STATUS = {
     "invalid_request": 400,
     RequestRefused.error_code: 400,
+    "admission_refused": 400,  # engine.admission.AdmissionError, refused where the job runs
     "server_shutdown": 503,
     "cancelled": 503,
     "replica_failed": 503,

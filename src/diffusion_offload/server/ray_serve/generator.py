@@ -65,9 +65,8 @@ class DiffusionGenerator:
         from ...engine.omni import build_omni
 
         quiet_libraries()
-        factory = engine_factory or functools.partial(
-            build_omni, model, config, progress=False, **engine_options
-        )
+        options = {"name": settings.model_id, **engine_options}  # refusals name the served id
+        factory = engine_factory or functools.partial(build_omni, model, config, progress=False, **options)
         engine = await asyncio.to_thread(factory)
         self.state = ServerState(engine, settings)  # limits, progress, encoding, metrics
         self.lock = threading.Lock()
