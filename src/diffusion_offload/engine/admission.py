@@ -154,10 +154,9 @@ class Admission:
             AdmissionError: the lower bound of its peak exceeds ``capacity``; the message
                 names the model, the predicted peak, the device bytes and what fits.
         """
-        if self.fits(shape):
+        peak, capacity = self.peak(shape), self.capacity  # one reading: the decision is the message's
+        if peak is None or peak <= MARGIN * capacity:  # ``fits``
             return
-        peak = self.peak(shape)
-        capacity = self.capacity
         height, width, frames = shape[:3]
         what = f"{height}x{width}" + (f", {frames} frames" if frames is not None else "")
         raise AdmissionError(
